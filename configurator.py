@@ -1,0 +1,93 @@
+"""
+Config files and command-line overrides, nanoGPT style but strict.
+
+An entry script declares its defaults as plain module globals, then calls
+
+    cfg = configure(globals())
+
+which reads sys.argv: every argument without `--` is a python config file of plain assignments
+(applied in order), every `--key=value` overrides one key. Values are type-checked against the
+defaults, an unknown key is an error naming the closest valid key, every override is echoed, and
+`--help` lists keys, defaults and types. Any mistake exits with one line that names it.
+"""
+import ast
+import difflib
+import os
+import sys
+
+SIMPLE = (bool, int, float, str, tuple, list, type(None))
+
+
+def fail(msg):
+    print(f"config error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(key, value, defaults, where):
+    """Return value converted to the type of the default, or exit naming the key."""
+    if key not in defaults:
+        close = difflib.get_close_matches(key, list(defaults), n=1)
+        fail(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    default = defaults[key]
+    if default is None or value is None:
+        return value
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
+        return type(default)(value)
+    elif type(value) is type(default):
+        return value
+    fail(f"{where}: '{key}' must be {type(default).__name__} (default {default!r}), got {value!r}")
+
+
+def parse_value(text):
+    """`--lr=1e-4` -> 1e-4, `--name=run1` -> 'run1', `--flag=true` -> True."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def configure(g, argv=None):
+    """Apply config files and --key=value overrides from argv to the dict g (a module's globals)."""
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = {k: v for k, v in g.items() if not k.startswith("_") and isinstance(v, SIMPLE)
+                and not callable(v)}
+    verbose = int(os.environ.get("RANK", "0")) == 0
+    if "--help" in argv or "-h" in argv:
+        print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
+        for k, v in defaults.items():
+            print(f"  --{k}={v!r}  ({type(v).__name__})")
+        sys.exit(0)
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                fail(f"'{arg}' must look like --key=value")
+            key, text = arg[2:].split("=", 1)
+            g[key] = check(key, parse_value(text), defaults, "command line")
+            if verbose:
+                print(f"override: {key} = {g[key]!r}")
+        else:
+            if not os.path.isfile(arg):
+                fail(f"config file '{arg}' not found")
+            src = open(arg).read()
+            scope = {}
+            try:
+                exec(compile(src, arg, "exec"), scope)
+            except SyntaxError as e:
+                fail(f"{arg}:{e.lineno}: {e.msg}")
+            except Exception as e:  # a config that raises while running, e.g. a NameError
+                line = sys.exc_info()[2].tb_next.tb_lineno if sys.exc_info()[2].tb_next else "?"
+                fail(f"{arg}:{line}: {type(e).__name__}: {e}")
+            for key, value in scope.items():
+                if key.startswith("_") or not isinstance(value, SIMPLE):
+                    continue
+                g[key] = check(key, value, defaults, arg)
+                if verbose:
+                    print(f"{arg}: {key} = {g[key]!r}")
+    return {k: g[k] for k in defaults}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The two commands of the README:
+#   bash run.sh        the tiny end-to-end job on CPU (make data + model, SFT, eval, GRPO-RoC, eval, plot)
+#   bash run.sh test   the test suite
+# Each creates .venv from the pinned requirements.txt on first use (and again when it changes).
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ ! -f .venv/.installed ] || ! cmp -s requirements.txt .venv/.installed; then
+  python3 -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+  .venv/bin/pip install --quiet -r requirements.txt
+  cp requirements.txt .venv/.installed
+fi
+# the sandbox isolates tool code with bubblewrap; install it where we may (root with apt), else the
+# sandbox falls back to `unshare`, and refuses to start if neither works
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "note: could not install bubblewrap"
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [ "${1:-}" = test ]; then
+  shift
+  exec .venv/bin/python -m pytest "$@"
+fi
+exec .venv/bin/python demo.py "$@"
