@@ -1,0 +1,61 @@
+import subprocess
+import sys
+
+import pytest
+
+from configurator import configure
+
+
+def defaults():
+    return {"lr": 1e-6, "steps": 300, "roc": True, "run_dir": "out/x", "path": None, "__doc__": "doc"}
+
+
+def run(argv, capsys):
+    g = defaults()
+    with pytest.raises(SystemExit) as e:
+        configure(g, argv)
+    return e.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_overrides_are_typed_and_echoed(capsys):
+    g = defaults()
+    cfg = configure(g, ["--lr=3e-4", "--steps=5", "--roc=false", "--run_dir=out/y", "--path=a/b"])
+    assert cfg == {"lr": 3e-4, "steps": 5, "roc": False, "run_dir": "out/y", "path": "a/b"}
+    assert g["steps"] == 5
+    assert "override: lr = 0.0003" in capsys.readouterr().out
+    assert configure(defaults(), ["--lr=1"])["lr"] == 1.0  # an int where a float is expected is fine
+
+
+def test_unknown_key_names_the_closest(capsys):
+    code, err = run(["--stpes=3"], capsys)
+    assert code == 2 and err == ["config error: command line: unknown key 'stpes' (did you mean 'steps'?)"]
+
+
+def test_malformed_value_names_key(capsys):
+    code, err = run(["--steps=3.5"], capsys)
+    assert code == 2 and len(err) == 1 and "'steps' must be int" in err[0]
+    code, err = run(["--roc=maybe"], capsys)
+    assert code == 2 and "'roc' must be bool" in err[0]
+
+
+def test_config_file(tmp_path, capsys):
+    good = tmp_path / "good.py"
+    good.write_text("# a comment\nsteps = 7\nlr = 2e-5\n")
+    assert configure(defaults(), [str(good), "--steps=9"])["steps"] == 9
+    bad = tmp_path / "bad.py"
+    bad.write_text("steps = 7\nlr = = 2\n")
+    code, err = run([str(bad)], capsys)
+    assert code == 2 and err == [f"config error: {bad}:2: invalid syntax"]
+    typo = tmp_path / "typo.py"
+    typo.write_text("step = 7\n")
+    code, err = run([str(typo)], capsys)
+    assert err == [f"config error: {typo}: unknown key 'step' (did you mean 'steps'?)"]
+    code, err = run([str(tmp_path / "missing.py")], capsys)
+    assert "not found" in err[0]
+
+
+def test_help_lists_keys_defaults_and_types():
+    script = "from configurator import configure\nlr = 1e-6\nsteps = 3\ncfg = configure(globals())\n"
+    out = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "--lr=1e-06  (float)" in out.stdout and "--steps=3  (int)" in out.stdout
