@@ -1,0 +1,252 @@
+"""
+GRPO-RoC: Group Relative Policy Optimization with Resample-on-Correct (rStar2-Agent, arXiv 2508.20722).
+
+Pure math on tensors and plain records (imports torch only). One RL step uses it in this order:
+
+    keep, n_all_correct, n_all_wrong = filter_groups(rewards)          # (num_groups, 2G) 0/1
+    for each kept group:                                                 # 2G rollouts -> G
+        p = [penalty(statuses, num_answers, num_turns) for each rollout]
+        idx = resample_on_correct(rewards[g], torch.tensor(p), G, generator)
+    adv = advantages(kept_rewards)                                       # (num_groups, G)
+    loss = policy_loss(logprobs, old_logprobs, adv_per_sequence, mask)   # token-mean, clipped
+
+Why each piece (paper §2.2):
+1. a group whose 2G rewards are all equal has zero advantage everywhere, so it only costs compute:
+   drop it and log how many were all-correct / all-wrong (the paper reports >70% all-correct late in
+   stage 2; the released code does this explicitly before RoC).
+2. Resample-on-Correct: oversample 2G rollouts, keep G. Negatives are subsampled uniformly, keeping the
+   variety of failures; positives are subsampled with probability inversely proportional to a penalty
+   p_err + p_format, so correct answers reached through tool errors or with repeated <answer> tags are
+   less often reinforced. The reward itself stays a pure 0/1 outcome (Eq. 3): penalising tool errors in
+   the reward would discourage exploration.
+3. advantages are group-normalised over the G kept rollouts only (Eq. 7), one scalar per trajectory.
+4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), averaged over every sampled
+   token of the step ("token-mean", Eq. 6), with no KL and no entropy term. Tool-output tokens have
+   mask 0 and never contribute.
+
+Deviations from plain GRPO, and where the paper and the released code differ (both are available):
+- mode="sample" (default) is the paper's rule; mode="deterministic" is the released code's rule
+  (lowest penalties first, at least 2 of each side). See resample_on_correct.
+- p_err is computed from the structured tool-call statuses, not by searching "error" in the text as
+  the released code does (that misses timeouts and parse failures, and flags stdout that prints "error").
+- dual_clip (verl's default c = 3.0, not in the paper) is off unless asked for.
+"""
+
+import torch
+
+# statuses of one tool call, as the sandbox and agent report them. "overloaded" means our own
+# infrastructure was busy: not the policy's fault, so it is not an error (but it is a call).
+TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
+TOOL_STATUSES = TOOL_ERRORS | {"ok", "overloaded"}
+
+
+def penalty(tool_statuses, num_answers, num_turns):
+    """
+    p_total = p_err + p_format of one trajectory, in [0, 2]; lower is better (paper Eq. 4 and Eq. 5).
+
+    p_err (Eq. 4) = erroring tool calls / tool calls, and 0.5 when the trajectory made no tool call
+    (the paper's nudge towards using the tool). An error is any status in TOOL_ERRORS: the call did not
+    parse or was invalid, raised / exited non-zero, timed out, ran out of memory or crashed.
+    p_format (Eq. 5) = 1 without any <answer>, else min(1, (num_answers - 1) / num_turns): answering
+    more than once is penalised relative to the length of the conversation.
+
+    tool_statuses: list of status strings, one per tool call of the trajectory (see TOOL_STATUSES).
+    num_answers: number of <answer>...</answer> blocks in the trajectory's assistant text.
+    num_turns: number of assistant turns (the paper's definition). The released code counts
+    assistant turns - 1 (its first assistant header sits in the prompt), so there a single-turn
+    answer gets p_format 1.0; we follow the paper.
+    """
+    unknown = [s for s in tool_statuses if s not in TOOL_STATUSES]
+    if unknown:
+        raise ValueError(f"unknown tool-call status(es) {unknown}; expected one of {sorted(TOOL_STATUSES)}")
+    if num_answers < 0 or num_turns < 1:
+        raise ValueError(f"need num_answers >= 0 and num_turns >= 1, got {num_answers=} {num_turns=}")
+    n_calls = len(tool_statuses)
+    p_err = sum(s in TOOL_ERRORS for s in tool_statuses) / n_calls if n_calls else 0.5
+    p_format = 1.0 if num_answers == 0 else min(1.0, (num_answers - 1) / num_turns)
+    return p_err + p_format
+
+
+def _check_binary(rewards, name):
+    if not bool(((rewards == 0) | (rewards == 1)).all()):
+        raise ValueError(f"{name} must be 0/1 outcome rewards, got values {rewards.unique().tolist()}")
+
+
+def filter_groups(rewards):
+    """
+    Drop groups whose rewards are all equal (paper §4.3; released code `reject_equal_reward`).
+
+    rewards: (num_groups, 2G) 0/1 tensor, one row per prompt.
+    Returns (keep, num_all_correct, num_all_wrong): keep is a (K,) long tensor of the row indices of
+    the groups with mixed rewards, the two ints count the dropped all-1 and all-0 groups.
+    """
+    if rewards.dim() != 2 or rewards.size(1) < 2:
+        raise ValueError(f"rewards must be (num_groups, 2G) with 2G >= 2, got shape {tuple(rewards.shape)}")
+    _check_binary(rewards, "rewards")
+    uniform = (rewards == rewards[:, :1]).all(dim=1)  # (num_groups,)
+    num_all_correct = int((uniform & (rewards[:, 0] == 1)).sum())
+    num_all_wrong = int((uniform & (rewards[:, 0] == 0)).sum())
+    keep = (~uniform).nonzero().flatten()  # (K,)
+    return keep, num_all_correct, num_all_wrong
+
+
+def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_pos=2, min_neg=2, eps=1e-3):
+    """
+    Resample-on-Correct (paper §2.2.3): keep G of the 2G rollouts of one group.
+    Returns the kept indices into the group, a (G,) long tensor in ascending order.
+
+    rewards: (2G,) 0/1 tensor; penalties: (2G,) float tensor of p_err + p_format (see penalty());
+    only the positives' penalties are used. generator: a torch.Generator (mode="sample" only).
+
+    mode="sample", the paper's rule:
+      k_neg = floor(n_neg / 2) negatives, drawn uniformly without replacement;
+      k_pos = G - k_neg positives, drawn without replacement, each draw picking among the remaining
+      positives with probability proportional to 1 / (penalty + eps). eps only guards penalty 0: with
+      1e-3 a zero-penalty positive weighs 1000 against ~30 for penalty 1/30, so "perfect" ones come first.
+      Sizes: n_pos + n_neg = 2G, so k_pos = G - floor(n_neg/2) = ceil(n_pos/2) <= n_pos (and
+      k_neg <= n_neg): the rule always returns exactly G, "half of each side", with the odd one out
+      taken from the positives. Note n_neg = 1 keeps no negative; that group then has zero advantage.
+    mode="deterministic", the released code's rule (down_sample/roc.py), for 2G = n rollouts:
+      k_neg = round(n_neg * G / n), k_pos = round(n_pos * G / n)   (Python round: half to even)
+      if k_neg <= min(min_neg, n_neg): k_neg = min(min_neg, n_neg); k_pos = G - k_neg
+      if k_pos <= min(min_pos, n_pos): k_pos = min(min_pos, n_pos); k_neg = G - k_pos
+      positives: the k_pos lowest penalties (stable sort, ties in rollout order);
+      negatives: the first k_neg in rollout order (after the released PR #50, which removed a sort).
+      For even G the rounded sizes always sum to G. For odd G they can sum to G +- 1 (e.g. G = 7,
+      n_neg = n_pos = 7 gives 4 + 4); the released code fails an assert there, and so do we (ValueError).
+      (The code's "keep the whole group if both sides are under their minimum" branch cannot happen
+      once min_pos + min_neg <= G, which is required, so it is not reproduced.)
+    """
+    if mode not in ("sample", "deterministic"):
+        raise ValueError(f"mode must be 'sample' or 'deterministic', got {mode!r}")
+    if not isinstance(G, int) or G < 1:
+        raise ValueError(f"G must be a positive int, got {G!r}")
+    if rewards.shape != (2 * G,) or penalties.shape != (2 * G,):
+        raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
+                         f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
+    _check_binary(rewards, "rewards")
+    if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
+        raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
+    pos = (rewards == 1).nonzero().flatten()  # (n_pos,) rollout order
+    neg = (rewards == 0).nonzero().flatten()  # (n_neg,)
+    n_pos, n_neg = len(pos), len(neg)
+
+    if mode == "sample":
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"mode='sample' needs a torch.Generator (explicit RNG), got {generator!r}")
+        k_neg = n_neg // 2
+        k_pos = G - k_neg
+        neg_keep = neg[torch.randperm(n_neg, generator=generator)[:k_neg]]
+        pos_keep = pos[:0]
+        if k_pos > 0:
+            # float64 so 1/eps-sized weights do not swamp the rest in rounding
+            weights = 1.0 / (penalties[pos].double() + eps)  # (n_pos,)
+            pos_keep = pos[torch.multinomial(weights, k_pos, replacement=False, generator=generator)]
+    else:
+        if min_pos < 0 or min_neg < 0 or min_pos + min_neg > G:
+            raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, got {min_pos=} {min_neg=} {G=}")
+        k_neg = round(n_neg * G / (2 * G))
+        k_pos = round(n_pos * G / (2 * G))
+        if k_neg <= min(min_neg, n_neg):
+            k_neg = min(min_neg, n_neg)
+            k_pos = G - k_neg
+        if k_pos <= min(min_pos, n_pos):
+            k_pos = min(min_pos, n_pos)
+            k_neg = G - k_pos
+        if k_pos + k_neg != G or k_pos > n_pos or k_neg > n_neg:
+            raise ValueError(f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
+                             f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
+        order = torch.sort(penalties[pos], stable=True).indices  # lowest penalty first
+        pos_keep = pos[order[:k_pos]]
+        neg_keep = neg[:k_neg]
+    return torch.cat([pos_keep, neg_keep]).sort().values  # (G,)
+
+
+def advantages(rewards, eps=1e-6):
+    """
+    Group-normalised advantages (paper Eq. 7): A_i = (r_i - mean(r)) / (std(r) + eps) over the G kept
+    rollouts of each group. std is the unbiased one (torch.std, as verl's GRPO estimator). A uniform
+    group gets A = 0. Each value is broadcast to every token of its trajectory by policy_loss.
+
+    rewards: (num_groups, G) float tensor. Returns the same shape.
+    """
+    if rewards.dim() != 2 or rewards.size(1) < 2:
+        raise ValueError(f"rewards must be (num_groups, G) with G >= 2, got shape {tuple(rewards.shape)}")
+    rewards = rewards.float()
+    mean = rewards.mean(dim=1, keepdim=True)  # (num_groups, 1)
+    std = rewards.std(dim=1, keepdim=True)  # (num_groups, 1)
+    return (rewards - mean) / (std + eps)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.28, *,
+                dual_clip=None, num_tokens=None, return_stats=False):
+    """
+    Clipped surrogate loss of GRPO-RoC (paper Eq. 6), to minimise:
+
+        loss = -1/N * sum_{i,t: mask=1} min(rho_it * A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) * A_i)
+        rho_it = exp(logprobs_it - old_logprobs_it)
+
+    with clip-higher (eps_high > eps_low lets rare tokens grow), no KL and no entropy term.
+    Normalisation is token-mean over the step: every sampled token weighs the same, however long its
+    trajectory (not a mean per sequence then over sequences). N defaults to mask.sum() of this call.
+    For gradient accumulation over micro-batches pass num_tokens = mask-1 tokens of the whole
+    mini-batch: the sum of the micro-batch losses is then the token-mean of the mini-batch. Across
+    ranks, pass the count summed over all ranks and multiply the loss by the world size, since
+    DDP/FSDP average (not sum) the gradients.
+
+    dual_clip=c (> 1, verl default 3.0; not in the paper): for A < 0 the per-token loss is also capped
+    at -c * A, so one huge ratio cannot dominate the step.
+
+    logprobs, old_logprobs: (B, T) log-probs of the sampled tokens under the current / sampling policy.
+    advantages: (B,) one value per trajectory. mask: (B, T), 1 exactly on tokens the policy sampled;
+    tool outputs, prompt and padding are 0 and get neither loss nor gradient (even if their logprobs
+    are inf or nan).
+    return_stats=True returns (loss, stats), stats holding detached 0-d tensors, means over this call's
+    mask-1 tokens: clip_frac_high (A > 0 and rho > 1 + eps_high), clip_frac_low (A < 0 and
+    rho < 1 - eps_low), clip_frac (either: tokens whose gradient the clip zeroes), dual_clip_frac
+    (A < 0 and rho > c; 0 without dual_clip) and approx_kl (k3 estimator E[rho - 1 - log rho] of
+    KL(old || new)).
+    """
+    if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(f"logprobs, old_logprobs and mask must all be (B, T), got {tuple(logprobs.shape)}, "
+                         f"{tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
+    if advantages.shape != (logprobs.size(0),):
+        raise ValueError(f"advantages must be (B,) = ({logprobs.size(0)},), got {tuple(advantages.shape)}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    mask = mask.bool()
+    n_local = mask.sum()
+    if num_tokens is None:
+        if n_local == 0:
+            raise ValueError("mask has no 1s: no token to train on (pass num_tokens for an empty micro-batch)")
+        num_tokens = n_local
+    elif num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+
+    # zero the log-ratio off the mask first, so garbage there cannot turn into nan gradients
+    log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages.detach().unsqueeze(1)  # (B, 1)
+    surr = ratio * adv  # (B, T)
+    surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
+    token_loss = -torch.minimum(surr, surr_clipped)  # (B, T)
+    if dual_clip is not None:
+        # the cap is a constant, so capped tokens get no gradient, like the ordinary clip
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
+    loss = torch.where(mask, token_loss, 0.0).sum() / num_tokens
+    if not return_stats:
+        return loss
+
+    with torch.no_grad():
+        n = n_local.clamp(min=1)
+        high = (adv > 0) & (ratio > 1.0 + eps_high) & mask  # (B, T)
+        low = (adv < 0) & (ratio < 1.0 - eps_low) & mask  # (B, T)
+        dual = (adv < 0) & (ratio > dual_clip) & mask if dual_clip is not None else torch.zeros_like(mask)
+        stats = {
+            "clip_frac": (high | low).sum() / n,
+            "clip_frac_low": low.sum() / n,
+            "clip_frac_high": high.sum() / n,
+            "dual_clip_frac": dual.sum() / n,
+            "approx_kl": torch.where(mask, ratio - 1.0 - log_ratio, 0.0).sum() / n,
+        }
+    return loss, stats
