@@ -1,0 +1,423 @@
+"""
+The rStar2-Agent protocol: prompt, tool calls, tool responses, answer extraction and the 0/1 reward.
+
+Everything here is text and token ids; no model and no sandbox is imported. The format is the one the
+released rStar2-Agent-14B was trained with (reference/rstar2_chat_template.jinja, rendered by hand here):
+
+    <|im_start|>system\n{SYSTEM_PROMPT}{tools block}<|im_end|>\n
+    <|im_start|>user\n{USER_PREFIX}{question}<|im_end|>\n
+    <|im_start|>assistant\n<reason>                                   <- forced, mask 0
+    ... </reason>\n<tool_call>\n{"name": ..., "arguments": {"code": ..., "input": ...}}\n</tool_call><|im_end|>
+    \n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>
+    ... </reason>\n<answer>\\boxed{42}</answer><|im_end|>
+
+A trajectory is built token-in/token-out: the prompt ids, then the ids the policy sampled (mask 1), then
+the tool-response suffix (mask 0), and so on. Nothing is ever re-rendered from messages, which is why
+render_conversation (for SFT) builds ids from the very same pieces the rollout appends.
+
+Deviations from the released code, on purpose:
+- every tool call is answered: a call beyond max_calls gets a "skipped" response instead of being
+  dropped silently (verl drops it);
+- the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule), and uses
+  math-verify only (the code OR-s it with the PRIME grader);
+- the reference template's quirk (an assistant message without tool calls is rendered with the user
+  prefix) is not reproduced by render_conversation.
+"""
+
+import atexit
+import json
+import logging
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+# -----------------------------------------------------------------------------
+# the protocol text, identical to the released rStar2-Agent-14B
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with "
+    "the answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within "
+    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer "
+    "here </answer>."
+)
+USER_PREFIX = (
+    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+    "And your final answer will be extracted automatically by the \\boxed{} tag.\nThis is the problem:\n"
+)
+TOOL_NAME = "execute_python_code_with_standard_io"  # paper Fig. 3 and the HF model card (the repo says python_code_with_standard_io)
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAME,
+        "description": (
+            "Execute Python code with standard input and capture standard output. This function takes a "
+            "Python code string and an input string, provides the input string through standard input "
+            "(stdin) to the code, and captures and returns any output produced through standard output "
+            "(stdout). If the executed code raises an exception, the error message will be captured and "
+            "returned instead."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {
+                    "type": "string",
+                    "description": "A string containing Python code to be executed. The code can read from "
+                    "standard input using the input() function.",
+                },
+                "input": {
+                    "type": "string",
+                    "description": "A string that will be provided as standard input to the code when it "
+                    "calls input().",
+                },
+            },
+            "required": ["code", "input"],
+        },
+    },
+}
+# the Hermes/Qwen2.5 tool block that the template appends to the system turn
+TOOLS_TEXT = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    + json.dumps(TOOL_SCHEMA, ensure_ascii=False)  # what jinja's tojson gives in transformers
+    + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>"
+)
+GENERATION_PROMPT = "<|im_start|>assistant\n<reason>"  # <reason> is forced, not sampled
+END = "<|im_end|>"  # the policy samples this itself at the end of every turn
+
+
+def prompt_text(question, system=SYSTEM_PROMPT):
+    """The full prompt string for one question, ending in the forced '<|im_start|>assistant\\n<reason>'."""
+    if not isinstance(question, str) or not isinstance(system, str):
+        raise TypeError(f"question and system must be strings, got {type(question).__name__} and {type(system).__name__}")
+    return (f"<|im_start|>system\n{system}{TOOLS_TEXT}{END}\n"
+            f"<|im_start|>user\n{USER_PREFIX}{question}{END}\n" + GENERATION_PROMPT)
+
+
+def render_prompt(tokenizer, question, system=SYSTEM_PROMPT):
+    """Token ids of prompt_text(question): where every trajectory starts."""
+    return tokenizer.encode(prompt_text(question, system), add_special_tokens=False)
+
+# -----------------------------------------------------------------------------
+# tool calls in, tool responses out
+
+@dataclass
+class ToolCall:
+    code: str
+    stdin: str = ""
+
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def _parse_one_call(block):
+    # returns a ToolCall, or the error text the model gets back instead of a result
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError as e:
+        return f"Failed to decode tool call: {e}"
+    if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
+        return 'Failed to decode tool call: expected a JSON object with "name" and "arguments"'
+    if call["name"] != TOOL_NAME:
+        return f"Unknown tool {call['name']!r}; the only tool is {TOOL_NAME!r}"
+    args = call["arguments"]
+    if isinstance(args, str):  # some models emit the arguments object as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            return f"Failed to decode tool call arguments: {e}"
+    if not isinstance(args, dict):
+        return 'Tool call arguments must be a JSON object with "code" and "input"'
+    if not isinstance(args.get("code"), str):
+        return 'Tool call arguments need "code" as a string' + ("" if "code" in args else " (it is missing)")
+    stdin = args.get("input")
+    stdin = "" if stdin is None else stdin
+    if not isinstance(stdin, str):
+        return 'Tool call argument "input" must be a string'
+    return ToolCall(code=args["code"], stdin=stdin)
+
+
+def parse_tool_calls(turn_text, max_calls=1):
+    """
+    Every <tool_call>...</tool_call> block of a finished assistant turn, in order. Each item is a ToolCall
+    to execute or a str to answer with verbatim (bad JSON, unknown tool, bad arguments, a call beyond
+    max_calls, an unclosed block), so every block the model wrote gets exactly one response.
+    """
+    if max_calls < 1:
+        raise ValueError(f"max_calls must be >= 1, got {max_calls}")
+    out, end = [], 0
+    for m in _TOOL_CALL_RE.finditer(turn_text):
+        if len(out) >= max_calls:
+            out.append(f"Only {max_calls} tool call(s) per turn are executed; this one was skipped.")
+        else:
+            out.append(_parse_one_call(m.group(1).strip()))
+        end = m.end()
+    # an opening tag after the last closed block (the model ended its turn mid-call) is answered too
+    if "<tool_call>" in turn_text[end:]:
+        out.append("Failed to decode tool call: <tool_call> was not closed with </tool_call>")
+    return out
+
+
+def truncate(text, max_chars):
+    """Keep the head and the tail of text (max_chars in all) around a marker saying how much was cut."""
+    if max_chars < 2:
+        raise ValueError(f"max_chars must be >= 2, got {max_chars}")
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n...(truncated {len(text) - max_chars} chars)...\n{text[-tail:]}"
+
+
+def tool_response_text(result, max_chars=1000):
+    """
+    The text the model sees for one sandbox result (duck-typed: .status, .stdout, .stderr, .value,
+    .duration). The paper's four kinds: stdout; the repr of a trailing expression when nothing was
+    printed; the error with its traceback; a timeout. Memory, crash and overload get short texts too.
+    """
+    status, out = result.status, result.stdout or result.value  # value is set only when nothing was printed
+    if out and not out.endswith("\n"):
+        out += "\n"
+    if status == "ok":  # stderr of a run that succeeded holds warnings: show them too
+        text = (out + result.stderr) or "(no output; print() what you want to see)"
+    elif status == "error":
+        text = out + result.stderr
+    elif status == "timeout":
+        text = out + f"TimeoutError: the code did not finish within {result.duration:.1f} s and was stopped"
+    elif status == "memory":
+        text = out + "MemoryError: the code went over the memory limit and was stopped"
+    elif status == "crash":
+        text = out + (result.stderr or "Error: the Python process crashed")
+    elif status == "overloaded":
+        text = "The code sandbox is overloaded and did not run this code; try again."
+    else:
+        raise ValueError(f"unknown sandbox result status {status!r}")
+    return truncate(text.rstrip("\n"), max_chars)
+
+
+def tool_suffix_text(responses):
+    """What follows an assistant turn that ended with <|im_end|>: one user turn with all responses, then
+    the forced start of the next assistant turn (exactly what the reference template renders)."""
+    body = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in responses)
+    return f"\n<|im_start|>user{body}{END}\n{GENERATION_PROMPT}"
+
+
+def tool_suffix_ids(tokenizer, responses):
+    """Token ids appended (mask 0) after a tool-calling assistant turn."""
+    if not responses or not all(isinstance(r, str) for r in responses):
+        raise ValueError("responses must be a non-empty list of strings")
+    return tokenizer.encode(tool_suffix_text(responses), add_special_tokens=False)
+
+# -----------------------------------------------------------------------------
+# SFT: OpenAI-format messages -> the same ids a rollout would produce, plus the loss mask
+
+def conversation_segments(messages):
+    """
+    Split a conversation into (text, mask) pieces in rollout order: the prompt (0), each assistant turn
+    after its forced <reason> (1), each group of tool responses with the next forced prefix (0).
+    Messages: optional system, one user, then assistant (with optional tool_calls) / tool ... ending in an
+    assistant turn without tool calls. Raises ValueError naming the offending message index.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {i}: unknown role {m.get('role') if isinstance(m, dict) else m!r}")
+        if m["role"] != "assistant" and not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i}: {m['role']} content must be a string")
+    i = 0
+    system = SYSTEM_PROMPT
+    if messages[0]["role"] == "system":
+        system, i = messages[0]["content"], 1
+    if i >= len(messages) or messages[i]["role"] != "user":
+        raise ValueError(f"message {i}: expected the user question")
+    segments = [(prompt_text(messages[i]["content"], system), 0)]
+    i += 1
+    pending = 0  # tool calls of the last assistant turn still waiting for their tool messages
+    while i < len(messages):
+        m = messages[i]
+        if m["role"] == "assistant":
+            if pending:
+                raise ValueError(f"message {i}: assistant turn while {pending} tool call(s) have no tool message")
+            content = m.get("content")
+            if not isinstance(content, str) or not content.startswith("<reason>"):
+                raise ValueError(f"message {i}: assistant content must be a string starting with <reason>")
+            if "<tool_call>" in content:
+                raise ValueError(f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
+            text = content[len("<reason>"):]
+            calls = m.get("tool_calls") or []
+            for call in calls:
+                fn = call.get("function", call) if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
+                    raise ValueError(f"message {i}: tool call needs function.name and function.arguments")
+                args = fn["arguments"]
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"message {i}: tool call arguments are not valid JSON: {e}") from None
+                # same bytes as the template: {"name": "...", "arguments": <tojson>}
+                text += "\n<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+            segments.append((text + END, 1))
+            pending = len(calls)
+            if not calls and i != len(messages) - 1:
+                raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant turn (no tool calls)")
+            i += 1
+        elif m["role"] == "tool":
+            if not pending:
+                raise ValueError(f"message {i}: tool message without a preceding tool call")
+            responses = []
+            while i < len(messages) and messages[i]["role"] == "tool":
+                responses.append(messages[i]["content"])
+                i += 1
+            if len(responses) != pending:
+                raise ValueError(f"message {i - 1}: {len(responses)} tool message(s) answer {pending} tool call(s)")
+            segments.append((tool_suffix_text(responses), 0))
+            pending = 0
+        else:
+            raise ValueError(f"message {i}: unexpected {m['role']} message (only one leading system and one user)")
+    if len(segments) == 1 or pending or segments[-1][1] == 0:
+        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant turn without tool calls")
+    return segments
+
+
+def render_conversation(tokenizer, messages):
+    """(ids, mask) for SFT, built exactly like a rollout: mask is 1 on the tokens the policy would sample."""
+    ids, mask = [], []
+    for text, m in conversation_segments(messages):
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        mask += [m] * len(piece)
+    return ids, mask
+
+# -----------------------------------------------------------------------------
+# answer extraction and the 0/1 reward
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def count_answers(text):
+    """Number of complete <answer>...</answer> blocks (the paper allows one)."""
+    return len(_ANSWER_RE.findall(text))
+
+
+def extract_answer(text):
+    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block, else None."""
+    blocks = _ANSWER_RE.findall(text)
+    if not blocks:
+        return None
+    block = blocks[-1]
+    start = block.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, j = 1, start + len("\\boxed{")
+    begin = j
+    while j < len(block):
+        c = block[j]
+        if c == "\\":  # \{ and \} are literal braces, not grouping
+            j += 2
+            continue
+        depth += (c == "{") - (c == "}")
+        if depth == 0:
+            return block[begin:j].strip()
+        j += 1
+    return None  # unbalanced
+
+
+def _plain_int(s):
+    # '-0012' -> '-12', '+0' -> '0'; None if s is not a plain integer
+    m = re.fullmatch(r"([+-]?)0*(\d+)", s.strip())
+    if m is None:
+        return None
+    return ("-" if m.group(1) == "-" and m.group(2) != "0" else "") + m.group(2)
+
+
+# math-verify runs in one persistent helper process (this file run as a script): its own timeouts use
+# signal.alarm, which fails off the main thread and cannot interrupt long C-level sympy/bigint work, so
+# we disable them and instead kill the helper when it overruns, restarting it on the next call.
+_verifier = None
+_verifier_pid = None  # the process that started it: a forked child must not share its pipes
+_verifier_lock = threading.Lock()
+
+
+def _stop_verifier():
+    global _verifier
+    if _verifier is not None and _verifier_pid == os.getpid():
+        _verifier.kill()
+        _verifier.wait()
+    _verifier = None
+
+
+atexit.register(_stop_verifier)
+
+
+def _read_line(proc, timeout):
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline() if ready else None
+
+
+def _math_verify(gold, answer, timeout, start_timeout=120.0):
+    global _verifier, _verifier_pid
+    with _verifier_lock:  # one request in flight at a time, from any thread
+        if _verifier is None or _verifier_pid != os.getpid() or _verifier.poll() is not None:
+            # own session, so a Ctrl-C reaches only the caller; atexit (or EOF on its stdin) ends the helper
+            _verifier = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--verify-server"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            _verifier_pid = os.getpid()
+            if _read_line(_verifier, start_timeout) != "ready\n":  # sympy import happens here, not in timeout
+                _stop_verifier()
+                raise RuntimeError("the math-verify helper process did not start (is math-verify installed?)")
+        try:
+            _verifier.stdin.write(json.dumps([gold, answer]) + "\n")
+            _verifier.stdin.flush()
+            line = _read_line(_verifier, timeout)
+        except BrokenPipeError:  # it died since the poll() above
+            line = ""
+        if line not in ("1\n", "0\n"):  # overran (None) or died (""): kill it, count as wrong
+            _stop_verifier()
+            return False
+        return line == "1\n"
+
+
+def _serve_verifier():
+    # the helper's loop: one JSON [gold, answer] per line in, "1" or "0" per line out
+    from math_verify import parse, verify
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings: we know
+    out, sys.stdout = sys.stdout, sys.stderr  # nothing but answers goes down the pipe
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        gold, answer = json.loads(line)
+        g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+        p = parse("\\boxed{" + answer + "}", parsing_timeout=None)
+        ok = bool(g) and bool(p) and verify(g, p, timeout_seconds=None)
+        out.write("1\n" if ok else "0\n")
+        out.flush()
+
+
+def reward(response_text, gold, timeout=5.0):
+    """
+    1.0 if the answer extracted from response_text equals gold per math-verify, else 0.0. Never hangs:
+    verification that takes longer than timeout seconds counts as wrong. Safe to call from any thread.
+    """
+    if not isinstance(gold, str):
+        raise ValueError(f"gold answer must be a string, got {type(gold).__name__}: {gold!r}")
+    answer = extract_answer(response_text)
+    if not answer:  # None or empty
+        return 0.0
+    if answer == gold.strip():
+        return 1.0
+    a, g = _plain_int(answer), _plain_int(gold)
+    if a is not None and g is not None:  # integer vs integer needs no sympy
+        return float(a == g)
+    return float(_math_verify(gold, answer, timeout))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--verify-server"]:
+    _serve_verifier()

@@ -1,0 +1,282 @@
+"""
+Datasets and the tiny task: integer arithmetic that a tiny model can only get right by calling the tool.
+
+The tiny task is "What is 48213 * 907 - 66?": 1-6 digit integers joined by 1-3 of + - *, integer answer.
+A 1-3M parameter model cannot multiply six-digit numbers in its head, but it can learn to copy the
+numbers into print(...) and copy the printed result into \\boxed{}: exactly the skill rStar2-Agent's
+RL sharpens, at a size that trains on a laptop CPU.
+
+This module makes, offline and from a seed:
+- problems (train / held-out, disjoint) as JSONL {"question", "answer"};
+- SFT conversations in the exact rStar2-Agent protocol (agent.py), whose tool messages are the *real*
+  outputs of running the code: with probability error_rate the first call has a bug and the model sees
+  the real traceback, then fixes it;
+- a byte-level BPE tokenizer trained on that text: digits stay single tokens (the model copies numbers
+  digit by digit) while merges cross whitespace elsewhere, so the long fixed system prompt and tool
+  schema shrink to a handful of tokens; the protocol tags are added tokens;
+- a random-init tiny Qwen3 saved as an HF directory (safetensors + tokenizer + our chat template).
+
+CPU command (about a minute):  python data.py prepare --out=out/tiny-base --seed=0
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import agent
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+              "<reason>", "</reason>", "<answer>", "</answer>"]
+
+# our chat template: renders prompts and tool conversations byte-identically to the reference template
+# (reference/rstar2_chat_template.jinja) but an assistant turn without tool calls is rendered as an
+# assistant turn (the reference wraps it in the user prefix), and string arguments are passed through
+CHAT_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] }}
+{%- else %}
+    {{- '<|im_start|>system\nA conversation between User and Assistant. The User asks a question, and the Assistant solves it. The Assistant first thinks about the reasoning process in the mind and then provides the User with the answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within <answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer here </answer>.' }}
+{%- endif %}
+{%- if tools %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>" }}
+{%- endif %}
+{{- '<|im_end|>\n' }}
+{%- for message in messages %}
+    {%- if message.role == "system" and not loop.first %}
+        {{- raise_exception('only one system message, first, is supported') }}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>user\nYou must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. And your final answer will be extracted automatically by the \\boxed{} tag.\nThis is the problem:\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.index0 == 0 or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<reason>' }}
+{%- endif %}"""
+
+# -----------------------------------------------------------------------------
+# the tiny task
+
+def make_problems(n, seed, max_digits=6, max_ops=3, exclude=()):
+    """n distinct problems {"question", "answer"} (answer: the integer as a string), none in exclude."""
+    if max_digits < 1 or max_ops < 1:
+        raise ValueError(f"max_digits and max_ops must be >= 1, got {max_digits} and {max_ops}")
+    rng = random.Random(seed)
+    seen, problems = set(exclude), []
+    while len(problems) < n:
+        n_ops = rng.randint(1, max_ops)
+        nums = []
+        for _ in range(n_ops + 1):
+            d = rng.randint(1, max_digits)  # digit count first, so short and long numbers are equally common
+            nums.append(rng.randint(0 if d == 1 else 10 ** (d - 1), 10 ** d - 1))
+        expr = str(nums[0])
+        for x in nums[1:]:
+            expr += f" {rng.choice('+-*')} {x}"
+        question = f"What is {expr}?"
+        if question in seen:
+            continue
+        seen.add(question)
+        problems.append({"question": question, "answer": str(eval(expr))})  # expr: our ints and + - * only
+    return problems
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path, required=("question", "answer")):
+    """Rows of a JSONL file; a bad line raises ValueError 'path:line: what is wrong'."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for key in required:
+                if key not in row:
+                    raise ValueError(f"{path}:{lineno}: missing field {key!r}")
+                # answers are compared as text: a JSON number here is almost always a mistake
+                if key in ("question", "answer") and not isinstance(row[key], str):
+                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, got {type(row[key]).__name__}")
+            rows.append(row)
+    return rows
+
+# -----------------------------------------------------------------------------
+# SFT conversations in the exact protocol, with real tool outputs
+
+def _call(reason, code):
+    # one assistant turn: a short reasoning, then one tool call
+    fn = {"name": agent.TOOL_NAME, "arguments": {"code": code, "input": ""}}
+    return {"role": "assistant", "content": f"<reason>{reason}</reason>", "tool_calls": [{"type": "function", "function": fn}]}
+
+
+def sft_conversation(problem, rng, run, error_rate=0.25):
+    """
+    OpenAI-format messages solving problem with the tool: [user, assistant+call, tool, (assistant+call,
+    tool,) assistant answer]. With probability error_rate the first call has a bug and the next turn
+    fixes it. run(list[(code, stdin)]) -> list[result] executes the calls (the sandbox pool's map);
+    tool messages are agent.tool_response_text of the real results.
+    """
+    q = problem["question"]
+    if not (q.startswith("What is ") and q.endswith("?")):
+        raise ValueError(f"sft_conversation needs a tiny-task problem 'What is <expr>?', got {q!r}")
+    expr = q.removeprefix("What is ").removesuffix("?")
+    good = f"print({expr})"
+    bad = None
+    if rng.random() < error_rate:
+        bad = rng.choice([f"prnt({expr})", f"result = {expr}\nprint(reslt)", f"print({expr}"])
+    codes = [bad, good] if bad else [good]
+    results = run([(code, "") for code in codes])
+    texts = [agent.tool_response_text(r) for r in results]
+    if bad and results[0].status != "error":
+        raise RuntimeError(f"buggy code {bad!r} did not fail: {results[0].status} {texts[0]!r}")
+    if results[-1].status != "ok" or texts[-1] != problem["answer"]:
+        raise RuntimeError(f"code {good!r} gave {results[-1].status} {texts[-1]!r}, expected {problem['answer']!r}")
+    messages = [{"role": "user", "content": problem["question"]}]
+    if bad:
+        messages += [_call("I will compute this with Python.", bad), {"role": "tool", "content": texts[0]},
+                     _call("The code failed. I will fix it and run it again.", good)]
+    else:
+        messages += [_call("I will compute this with Python.", good)]
+    messages += [{"role": "tool", "content": texts[-1]},
+                 {"role": "assistant", "content": f"<reason>The tool gave the result.</reason>\n<answer>\\boxed{{{texts[-1]}}}</answer>"}]
+    return messages
+
+
+def run_subprocess(calls, timeout=5.0):
+    """A plain runner for prepare() from the command line: one fresh python per call, no isolation, no
+    trailing-expression value. Fine for our own generated SFT code; RL uses the sandbox pool."""
+    results = []
+    for code, stdin in calls:
+        t0 = time.time()
+        try:
+            p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=timeout)
+            status, out, err = ("ok" if p.returncode == 0 else "error"), p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            status, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), ""
+        results.append(SimpleNamespace(status=status, stdout=out, stderr=err, value="", duration=time.time() - t0))
+    return results
+
+# -----------------------------------------------------------------------------
+# the tokenizer and the tiny model
+
+def train_tokenizer(texts, vocab_size=4096):
+    """A byte-level BPE (PreTrainedTokenizerFast) trained on texts: single-digit tokens, merges across
+    whitespace elsewhere, chat tokens special, protocol tags added tokens, our chat template attached."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # no regex split: merges may cross spaces, so a fixed sentence can become one token; digits stay single
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    # training does not split on added tokens, encoding does: cut them out here so no merge spans a tag
+    split = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TAG_TOKENS))
+    tok.train_from_iterator((piece for text in texts for piece in split.split(text) if piece), trainer)
+    # tags are added but not special, so decode(skip_special_tokens=True) keeps <answer> etc. (as Qwen)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, vocab_size=4096,
+            hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
+            max_position_embeddings=1024, rope_theta=10000.0):
+    """
+    Make everything the tiny runs need: data_dir/{train,heldout,sft}.jsonl (data_dir defaults to 'data'
+    next to out_dir) and out_dir = a random-init tiny Qwen3 HF directory with our tokenizer.
+    run executes tool calls for the SFT traces (see sft_conversation).
+    """
+    import torch
+    import transformers
+
+    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
+    # 1. problems: held-out disjoint from train and from the SFT problems
+    train = make_problems(n_train, seed)
+    heldout = make_problems(n_heldout, seed + 1, exclude={p["question"] for p in train})
+    sft_problems = make_problems(n_sft, seed + 2, exclude={p["question"] for p in heldout})
+    # 2. SFT conversations with the real outputs of the code
+    rng = random.Random(seed)
+    sft = [dict(p, messages=sft_conversation(p, rng, run)) for p in sft_problems]
+    # 3. the tokenizer, trained on exactly the text the model will see
+    texts = ["".join(text for text, _ in agent.conversation_segments(c["messages"])) for c in sft]
+    tokenizer = train_tokenizer(texts, vocab_size)
+    # 4. the tiny model, random init from the seed
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    write_jsonl(os.path.join(data_dir, "train.jsonl"), train)
+    write_jsonl(os.path.join(data_dir, "heldout.jsonl"), heldout)
+    write_jsonl(os.path.join(data_dir, "sft.jsonl"), sft)
+    n_params = sum(p.numel() for p in model.parameters())
+    prompt_len = len(agent.render_prompt(tokenizer, train[0]["question"]))
+    print(f"{out_dir}: qwen3 {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, prompt {prompt_len} tokens | "
+          f"{data_dir}: train {len(train)}, heldout {len(heldout)}, sft {len(sft)}")
+    return tokenizer, model
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
+    parser.add_argument("command", choices=["prepare"])
+    parser.add_argument("--out", default="out/tiny-base", help="model + tokenizer directory")
+    parser.add_argument("--data_dir", default=None, help="JSONL directory (default: data/ next to --out)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n_train", type=int, default=20000)
+    parser.add_argument("--n_heldout", type=int, default=256)
+    parser.add_argument("--n_sft", type=int, default=2000)
+    args = parser.parse_args()
+    prepare(args.out, args.seed, run_subprocess, data_dir=args.data_dir, n_train=args.n_train,
+            n_heldout=args.n_heldout, n_sft=args.n_sft)

@@ -1,0 +1,162 @@
+"""data.py: the tiny task (answers checked with sympy), JSONL I/O errors, SFT traces with real tool output,
+the tokenizer (round trip, token budgets), and the prepared HF directory loaded back through transformers."""
+
+import contextlib
+import io
+import json
+import random
+import statistics
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import sympy
+
+import agent
+import data
+
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+
+
+def run_inprocess(calls):
+    # a minimal stand-in for the sandbox pool: exec with captured stdout, traceback on error
+    results = []
+    for code, stdin in calls:
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                exec(compile(code, "<code>", "exec"), {})
+            results.append(SimpleNamespace(status="ok", stdout=buf.getvalue(), stderr="", value="", duration=0.01))
+        except Exception:
+            results.append(SimpleNamespace(status="error", stdout=buf.getvalue(), stderr=traceback.format_exc(), value="", duration=0.01))
+    return results
+
+
+def text_of(messages):
+    return "".join(t for t, _ in agent.conversation_segments(messages))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prep")
+    tok, model = data.prepare(str(out / "tiny-base"), seed=0, run=run_inprocess, n_train=2000, n_heldout=200, n_sft=400)
+    return out, tok, model
+
+
+def test_make_problems():
+    probs = data.make_problems(2000, seed=3)
+    assert probs == data.make_problems(2000, seed=3) and probs != data.make_problems(2000, seed=4)
+    assert len({p["question"] for p in probs}) == 2000
+    ops, digits = set(), set()
+    for p in probs:
+        expr = p["question"].removeprefix("What is ").removesuffix("?")
+        assert p["answer"] == str(sympy.sympify(expr))  # independent evaluation
+        toks = expr.split()
+        nums, o = toks[::2], toks[1::2]
+        assert 1 <= len(o) <= 3 and set(o) <= {"+", "-", "*"}
+        ops.add(len(o))
+        digits |= {len(n) for n in nums}
+    assert ops == {1, 2, 3} and digits == {1, 2, 3, 4, 5, 6}
+    exclude = {p["question"] for p in probs}
+    assert not exclude & {p["question"] for p in data.make_problems(500, seed=3, exclude=exclude)}
+
+
+def test_jsonl_roundtrip_and_errors(tmp_path):
+    rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "√?", "answer": "-4", "extra": [1]}]
+    path = tmp_path / "d.jsonl"
+    data.write_jsonl(str(path), rows)
+    assert data.read_jsonl(str(path)) == rows
+    bad = {
+        '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be a string",
+        '{"question": "q", "answer": "1"}\n{"question": "q"\n': ":2: not valid JSON",
+        '{"answer": "1"}\n': ":1: missing field 'question'",
+        '[1, 2]\n': ":1: expected a JSON object",
+    }
+    for text, msg in bad.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + msg):
+            data.read_jsonl(str(path))
+    path.write_text('{"messages": []}\n')
+    assert data.read_jsonl(str(path), required=("messages",)) == [{"messages": []}]
+
+
+def test_sft_conversation():
+    problem = {"question": "What is 12 * 34 - 5?", "answer": "403"}
+    clean = data.sft_conversation(problem, random.Random(0), run_inprocess, error_rate=0.0)
+    assert [m["role"] for m in clean] == ["user", "assistant", "tool", "assistant"]
+    assert clean[2]["content"] == "403"  # the real output of the code
+    assert clean[1]["tool_calls"][0]["function"]["arguments"] == {"code": "print(12 * 34 - 5)", "input": ""}
+    assert agent.reward(clean[-1]["content"], "403") == 1.0
+    for seed in range(6):
+        buggy = data.sft_conversation(problem, random.Random(seed), run_inprocess, error_rate=1.0)
+        assert [m["role"] for m in buggy] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+        assert buggy[2]["content"].startswith("Traceback") and "Error" in buggy[2]["content"]
+        assert buggy[4]["content"] == "403"
+        # the bug is a real one: the sandbox runs the first call and it fails
+        (first,) = agent.parse_tool_calls(text_of(buggy).split("<|im_start|>assistant")[1])
+        assert run_inprocess([(first.code, "")])[0].status == "error"
+    # the whole trace is in protocol: parsing the rendered turns gives back the executed code
+    ids_text = text_of(clean)
+    assert agent.parse_tool_calls(ids_text.split("<|im_start|>assistant")[1]) == [agent.ToolCall("print(12 * 34 - 5)", "")]
+    # a sandbox that answers wrongly must not yield a silently wrong trace
+    def wrong(calls):
+        return [SimpleNamespace(status="ok", stdout="7\n", stderr="", value="", duration=0.0) for _ in calls]
+    with pytest.raises(RuntimeError, match="expected '403'"):
+        data.sft_conversation(problem, random.Random(0), wrong, error_rate=0.0)
+
+
+def test_tokenizer(prepared):
+    _, tok, _ = prepared
+    assert len(tok) <= 4096
+    for text in ["What is 123456 * 7?", "print('héllo √ 世界')\n\tx = {1: [2]}", "<reason>a</reason>\n<answer>\\boxed{-5}</answer>",
+                 "Traceback (most recent call last):\n  NameError: name 'prnt' is not defined", "   spaces   \n\n"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    # digits are single tokens, tags one token each and not special (skip_special_tokens keeps them)
+    assert tok.convert_ids_to_tokens(tok.encode("90817", add_special_tokens=False)) == list("90817")
+    for t in data.TAG_TOKENS + data.SPECIAL_TOKENS:
+        assert len(tok.encode(t, add_special_tokens=False)) == 1, t
+    assert tok.decode(tok.encode("<|im_start|><answer>1</answer>", add_special_tokens=False), skip_special_tokens=True) == "<answer>1</answer>"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    # token budgets on problems the tokenizer never saw (mean over 200)
+    probs = data.make_problems(200, seed=99)
+    rng = random.Random(0)
+    prompt = [len(agent.render_prompt(tok, p["question"])) for p in probs]
+    traj = [len(agent.render_conversation(tok, data.sft_conversation(p, rng, run_inprocess, error_rate=0.0))[0]) for p in probs]
+    assert statistics.mean(prompt) < 60 and statistics.mean(traj) < 120, (statistics.mean(prompt), statistics.mean(traj))
+
+
+def test_prepared_dir_loads(prepared):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out, tok, model = prepared
+    base, data_dir = out / "tiny-base", out / "data"
+    train = data.read_jsonl(str(data_dir / "train.jsonl"))
+    heldout = data.read_jsonl(str(data_dir / "heldout.jsonl"))
+    sft = data.read_jsonl(str(data_dir / "sft.jsonl"), required=("question", "answer", "messages"))
+    assert (len(train), len(heldout), len(sft)) == (2000, 200, 400)
+    assert not {p["question"] for p in heldout} & {p["question"] for p in train + sft}
+    loaded = AutoTokenizer.from_pretrained(str(base))
+    q = heldout[0]["question"]
+    assert agent.render_prompt(loaded, q) == agent.render_prompt(tok, q)
+    assert loaded.eos_token_id == tok.eos_token_id and loaded.pad_token_id == tok.pad_token_id
+    # the saved chat template renders like the reference (prompt, tool turns) and like our renderer (whole trace)
+    ref_template = (REF / "rstar2_chat_template.jinja").read_text()
+    schema = json.loads((REF / "rstar2_tool_schema.json").read_text())
+    buggy = next(c["messages"] for c in sft if len(c["messages"]) == 6)
+    for msgs in ([buggy[0]], buggy[:3], buggy[:5]):
+        ours = loaded.apply_chat_template(msgs, tools=[schema], add_generation_prompt=True, tokenize=False)
+        assert ours == loaded.apply_chat_template(msgs, tools=[schema], chat_template=ref_template, add_generation_prompt=True, tokenize=False)
+    full = loaded.apply_chat_template(buggy, tools=[schema], tokenize=False)
+    assert full == text_of(buggy) + "\n"
+    # the model: a random-init tiny Qwen3 with tied embeddings that transformers loads back
+    m = AutoModelForCausalLM.from_pretrained(str(base))
+    n = sum(p.numel() for p in m.parameters())
+    # by hand: per layer q,k,v,o (128x128, 128x64, 128x64, 128x128) + 3 MLP mats (128x384) + norms (2*32 + 2*128)
+    layer = 128 * 128 * 2 + 128 * 64 * 2 + 3 * 128 * 384 + 2 * 32 + 2 * 128
+    assert m.config.model_type == "qwen3" and n == len(loaded) * 128 + 4 * layer + 128  # tied: one embedding
+    assert m.config.vocab_size == len(loaded) and m.config.tie_word_embeddings
+    assert (m.config.hidden_size, m.config.num_hidden_layers, m.config.num_key_value_heads, m.config.head_dim) == (128, 4, 2, 32)
+    assert m.config.eos_token_id == loaded.eos_token_id
+    import torch
+    ids = torch.tensor([agent.render_prompt(loaded, q)])
+    assert torch.equal(m(ids).logits, model(ids).logits)  # the saved weights are the ones made
