@@ -1,0 +1,20 @@
+# the paper's evaluation protocol (§5.1): avg@16 at temperature 0.6, top-p 1.0, 30K tokens, 30 turns
+#   python eval.py convert aime_2024/train-00000-of-00001.parquet data/aime24.jsonl
+#   torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model=out/stage3/step_000125 --data=data/aime24.jsonl
+# the released weights load unchanged: --model=<your download of rStar2-Agent-14B>
+model = ""                   # give --model=DIR
+data = "data/aime24.jsonl"   # made with `python eval.py convert ...` from files you downloaded
+out_dir = "out/eval_aime24"
+samples = 16
+temperature = 0.6
+top_p = 1.0
+max_response_tokens = 30720  # the released eval scripts' max_response_length
+max_prompt_tokens = 2048
+max_turns = 30
+max_calls_per_turn = 1
+tool_max_chars = 1024
+kv_capacity = 0              # 0 = 90% of the free GPU memory after the weights
+tool_workers = 64            # sandbox workers per rank
+tool_timeout = 4.0           # the paper's code service: 4 s per call
+seed = 0
+dtype = "bfloat16"

@@ -1,0 +1,393 @@
+"""
+avg@k evaluation with the same agent loop as RL: k sampled multi-turn, tool-using answers per problem.
+
+The paper's protocol (§5): 16 samples per problem, temperature 0.6, top-p 1.0, up to 30K response tokens
+(model + tool tokens, one budget) and 30 turns; it reports avg@16 (mean accuracy over the 16 samples)
+and the mean response length in tokens. configs/eval_aime.py carries exactly that.
+
+CPU (tiny model):    python eval.py configs/tiny_eval.py --model=out/tiny-sft
+one GPU:             python eval.py configs/eval_aime.py --model=DIR --data=aime24.jsonl
+8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model=DIR --data=aime24.jsonl
+convert benchmarks:  python eval.py convert IN.parquet [IN2.jsonl ...] OUT.jsonl
+
+--model is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
+directory, whose latest step_*/ checkpoint is used. --data is JSONL, one problem per line:
+{"question": "<bare problem text>", "answer": "<gold answer as a string>"} (other fields are kept and
+ignored). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
+capacity) and every rank gets all trajectories back; rank 0 writes the results.
+
+`convert` turns benchmark files you downloaded yourself (we never download) into that JSONL. It reads
+parquet or JSONL rows in these layouts:
+  question + answer                          opencompass/AIME2025 (aime2025-I.jsonl, aime2025-II.jsonl)
+  problem + answer (+ solution, id, ...)     HuggingFaceH4/aime_2024, HuggingFaceH4/MATH-500
+  prompt (chat messages) + reward_model.ground_truth   the rStar2-Agent repo's preprocessed parquet
+Integer answers become strings; an `id` / `unique_id` / `problem_idx` column is kept as "id". A bad row
+stops the conversion with "file:row: what is wrong" (rows counted from 1, = the line in JSONL).
+
+Metrics (summary.json, summary.md, printed):
+  avg@k          mean over problems of the fraction of its k samples that are correct (= pass@1);
+                 avg@k_se is the standard error of that mean over problems (sample std / sqrt(P))
+  pass@j         the unbiased estimator 1 - C(n-c, j) / C(n, j) (Chen et al. 2021), mean over problems,
+                 for j = 1, 2, 4, ... and j = k
+  maj@k          majority vote over the k extracted answers: answers are normalised by removing all
+                 whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
+                 a tie goes to the answer sampled first among the tied ones; samples without a
+                 (non-empty) answer do not vote. The vote is correct if the reward of the first sample
+                 with the winning answer is 1. It is a plain string vote: answers that math-verify
+                 finds equal but that are written differently ("1/2", "0.5") are counted apart.
+  lengths        mean / median response tokens (everything after the prompt, tool responses included)
+                 and model tokens (the sampled ones, mask 1)
+  behaviour      turns and tool calls per answer, tool error ratio (calls with status invalid / error /
+                 timeout / memory / crash over all calls), truncation ratio (finish == "length"),
+                 max-turns ratio, no-answer ratio
+Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
+trajectories.jsonl (every trajectory decoded: the response text, answer, reward, finish, tool calls;
+--save_trajectories=false skips it for huge runs).
+--keep_unsolved=FILE writes the problems whose pass rate is < 1 (the paper's stage-3 filter: 8 samples,
+drop what the policy always solves).
+
+Sampling is reproducible: every trajectory samples from its own generator seeded from
+(seed, 0, problem index, sample index), so a CPU run with the same seed gives the same numbers, and two
+checkpoints are compared on the same random numbers. evaluate() is importable (train_rl.py, demo.py);
+importing this file runs nothing.
+"""
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+import agent
+from grpo_roc import TOOL_ERRORS
+from rollout import Request
+from scheduler import generate_all
+
+
+# -----------------------------------------------------------------------------
+# metrics
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # exact integers; comb is 0 when n - c < k
+
+
+def normalize_answer(answer):
+    """The string maj@k votes on: no whitespace; plain integers without leading zeros or '+'."""
+    s = "".join(answer.split())
+    sign, digits = (s[0], s[1:]) if s[:1] in "+-" and len(s) > 1 else ("", s)
+    if digits.isascii() and digits.isdigit():
+        digits = digits.lstrip("0") or "0"
+        s = ("-" if sign == "-" and digits != "0" else "") + digits
+    return s
+
+
+def majority_vote(answers):
+    """Index of the sample whose answer wins the vote (the first sample with it), or None when no sample
+    has an answer. Ties go to the answer sampled first among the tied; None / "" answers do not vote."""
+    keys = [normalize_answer(a) if a else None for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return next(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
+
+
+def score_trajectory(traj):
+    """The on_finish callback: 0/1 reward and the extracted answer, on the rank that made the trajectory."""
+    traj.meta["reward"] = agent.reward(traj.text, traj.meta["gold"])
+    traj.meta["pred"] = agent.extract_answer(traj.text)
+
+
+def metrics(groups):
+    """groups: one list of scored trajectories per problem, in sample order. Returns (summary, per_problem)."""
+    if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
+        raise ValueError(f"need the same non-zero number of samples for every problem, got {[len(g) for g in groups]}")
+    k = len(groups[0])
+    trajs = [t for g in groups for t in g]
+    per_problem = []
+    for i, g in enumerate(groups):
+        c = sum(t.meta["reward"] > 0 for t in g)
+        win = majority_vote([t.meta["pred"] for t in g])
+        calls = [s["status"] for t in g for s in t.tool_calls]
+        per_problem.append({
+            "index": i, "gold": g[0].meta["gold"], "samples": k, "correct": c, "accuracy": c / k,
+            "maj_answer": None if win is None else g[win].meta["pred"],
+            "maj_correct": 0.0 if win is None else float(g[win].meta["reward"] > 0),
+            "answers": [t.meta["pred"] for t in g],
+            "mean_length": statistics.fmean(len(t.response_ids) for t in g),
+            "tool_calls": len(calls), "tool_errors": sum(s in TOOL_ERRORS for s in calls),
+            "truncated": sum(t.finish == "length" for t in g),
+        })
+    accs = [p["accuracy"] for p in per_problem]
+    lengths = [len(t.response_ids) for t in trajs]
+    model_tokens = [sum(t.mask) for t in trajs]
+    statuses = [s["status"] for t in trajs for s in t.tool_calls]
+    summary = {
+        "problems": len(groups), "samples": k,
+        "avg@k": statistics.fmean(accs),
+        "avg@k_se": statistics.stdev(accs) / math.sqrt(len(accs)) if len(accs) > 1 else 0.0,
+        **{f"pass@{j}": statistics.fmean(pass_at_k(k, p["correct"], j) for p in per_problem)
+           for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
+        "pass@k": statistics.fmean(pass_at_k(k, p["correct"], k) for p in per_problem),
+        "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
+        "mean_length": statistics.fmean(lengths), "median_length": statistics.median(lengths),
+        "mean_model_tokens": statistics.fmean(model_tokens), "median_model_tokens": statistics.median(model_tokens),
+        "turns": statistics.fmean(t.turns for t in trajs),
+        "tool_calls": len(statuses) / len(trajs),
+        "tool_error_ratio": sum(s in TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
+        "truncation_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
+        "max_turns_ratio": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
+        "no_answer_ratio": sum(not t.meta["pred"] for t in trajs) / len(trajs),
+    }
+    return summary, per_problem
+
+
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True):
+    """
+    Sample `samples` trajectories for every problem ({"question", "answer"} dicts) with the engine's own
+    sampling settings and tools, `budget` response tokens each; under torchrun the work is shared across
+    ranks. Returns (summary, per_problem, trajectories ordered by (problem, sample)) on every rank.
+    """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    requests = [Request(agent.render_prompt(tokenizer, p["question"]), key=(0, i, s), meta={"gold": p["answer"]})
+                for i, p in enumerate(problems) for s in range(samples)]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # under torchrun the bar counts this rank's trajectories only, so it has no total
+    bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
+               unit="traj", dynamic_ncols=True)
+    done = right = 0
+
+    def on_finish(traj):
+        nonlocal done, right
+        score_trajectory(traj)
+        done, right = done + 1, right + (traj.meta["reward"] > 0)
+        bar.set_postfix(acc=f"{right / done:.3f}", refresh=False)  # running accuracy of this rank
+        bar.update(1)
+
+    trajs, _ = generate_all(engine, requests, budget, mode, on_finish)
+    bar.close()
+    summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
+    for row, p in zip(per_problem, problems):
+        row.update({"id": p["id"]} if "id" in p else {}, question=p["question"])
+    return summary, per_problem, trajs
+
+
+# -----------------------------------------------------------------------------
+# the benchmark converter
+
+def convert_row(row):
+    """(question, answer) from one benchmark row in a layout listed in the docstring; raises ValueError(what)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected an object, got {type(row).__name__}")
+    if "question" in row or "problem" in row:
+        question = row.get("question", row.get("problem"))
+    elif "prompt" in row:
+        prompt = row["prompt"]
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
+            if isinstance(prompt, list) else []
+        if not users:
+            raise ValueError("'prompt' must be a list of chat messages with a user message")
+        question = users[-1]
+    else:
+        raise ValueError(f"no question: expected 'question', 'problem' or 'prompt'; the row has {sorted(row)}")
+    if "answer" in row:
+        answer = row["answer"]
+    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        answer = row["reward_model"]["ground_truth"]
+    else:
+        raise ValueError(f"no answer: expected 'answer' or 'reward_model.ground_truth'; the row has {sorted(row)}")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"the question must be a non-empty string, got {question!r:.80}")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"the answer must be a non-empty string or an integer, got {answer!r:.80}")
+    return question.strip(), answer.strip()
+
+
+def convert(in_paths, out_path):
+    """Read benchmark rows from parquet / JSONL files and write our {"question", "answer"(, "id")} JSONL."""
+    out = []
+    for path in in_paths:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq  # only the converter needs it
+            rows = enumerate(pq.read_table(path).to_pylist(), 1)
+        elif path.endswith((".jsonl", ".json")):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            rows = []
+            for n, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        rows.append((n, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        else:
+            raise ValueError(f"{path}: expected a .parquet or .jsonl file")
+        for n, row in rows:
+            try:
+                question, answer = convert_row(row)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            ids = [row[key] for key in ("id", "unique_id", "problem_idx") if row.get(key) is not None]
+            out.append({"question": question, "answer": answer, **({"id": ids[0]} if ids else {})})
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        for row in out:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return len(out)
+
+
+# -----------------------------------------------------------------------------
+# the script
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["convert"]:
+        if len(sys.argv) < 4:
+            sys.exit("usage: python eval.py convert IN.parquet|IN.jsonl [IN2 ...] OUT.jsonl")
+        try:
+            n = convert(sys.argv[2:-1], sys.argv[-1])
+        except (ValueError, OSError) as e:
+            sys.exit(f"convert error: {e}")
+        print(f"wrote {n} problems to {sys.argv[-1]}")
+        sys.exit(0)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from common import compute_cleanup, compute_init, latest_checkpoint, print0
+    from configurator import configure
+    from data import read_jsonl
+    from model import load_model
+    from rollout import Engine, ToolRunner
+    from sandbox import SandboxPool
+
+    # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
+    model = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ is used)
+    data = ""  # JSONL with "question" and "answer"
+    out_dir = "out/eval"
+    samples = 16  # k samples per problem
+    temperature = 0.6
+    top_p = 1.0
+    max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
+    max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently)
+    max_turns = 30
+    max_calls_per_turn = 1
+    tool_max_chars = 1024  # per tool response, head and tail kept
+    kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
+    scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
+    tool_workers = 0  # sandbox workers per rank; 0 = number of cores
+    tool_timeout = 4.0  # seconds per tool call
+    tool_memory = 1 << 30  # bytes per tool call
+    seed = 0
+    limit = 0  # evaluate the first N problems only; 0 = all
+    keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
+    save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
+    dtype = "bfloat16"  # "float32" on CPU
+    cfg = configure(globals())
+
+    rank, world, device = compute_init(seed)
+    if not model or not data:
+        sys.exit("eval error: give --model=DIR and --data=FILE.jsonl (or a config that sets them)")
+    if not os.path.isfile(os.path.join(model, "config.json")) and latest_checkpoint(model):
+        model = latest_checkpoint(model)  # a run directory: its newest checkpoint
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        sys.exit(f"eval error: {model} is neither a model directory (config.json) nor a run directory (step_*/)")
+    try:
+        problems = read_jsonl(data, required=("question", "answer"))
+    except (ValueError, OSError) as e:
+        sys.exit(f"eval error: {e}")
+    if limit < 0 or samples < 1:
+        sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
+    problems = problems[:limit] if limit else problems
+    if not problems:
+        sys.exit(f"eval error: {data} has no problems")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    too_long = [i for i, p in enumerate(problems) if len(agent.render_prompt(tokenizer, p["question"])) > max_prompt_tokens]
+    if too_long:
+        sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
+                 f"(first: problem {too_long[0]} of {data}); raise --max_prompt_tokens")
+    policy = load_model(model, device=device, dtype=getattr(torch, dtype)).eval()
+    max_len = max_prompt_tokens + max_response_tokens
+    n_requests = len(problems) * samples
+    if kv_capacity:
+        rows = kv_capacity // max_len
+    elif device.type == "cuda":  # what is left after the weights, K and V for every layer
+        c = policy.cfg
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+        rows = int(0.9 * torch.cuda.mem_get_info(device)[0]) // (per_token * max_len)
+    else:
+        rows = 256
+    rows = min(rows, -(-n_requests // world))  # more rows than this rank can ever fill only waste memory
+    print0(f"eval: {len(problems)} problems × {samples} samples from {data} | model {model} | T {temperature} "
+           f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
+    pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
+    t0 = time.time()
+    with ToolRunner(pool) as tools:
+        engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
+                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
+                        max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)
+        summary, per_problem, trajs = evaluate(engine, tokenizer, problems, samples, max_response_tokens, scheduler)
+    wall = time.time() - t0
+    summary.update(model=model, temperature=temperature, wall_s=wall, config=cfg)
+
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        k = samples
+        table = [f"# eval of {model} on {data}", "",
+                 f"{len(problems)} problems × {k} samples, temperature {temperature}, top-p {top_p}, "
+                 f"{max_response_tokens} tokens, {max_turns} turns, seed {seed}", "",
+                 "| metric | value |", "|---|---|",
+                 f"| avg@{k} | {100 * summary['avg@k']:.2f}% ± {100 * summary['avg@k_se']:.2f} |"]
+        table += [f"| {key} | {100 * summary[key]:.2f}% |" for key in summary
+                  if key.startswith("pass@") and key != "pass@k"]
+        table += [f"| maj@{k} | {100 * summary['maj@k']:.2f}% |",
+                  f"| mean / median length (tokens, all) | {summary['mean_length']:.1f} / {summary['median_length']:.1f} |",
+                  f"| mean / median length (model tokens) | {summary['mean_model_tokens']:.1f} / {summary['median_model_tokens']:.1f} |",
+                  f"| turns per answer | {summary['turns']:.2f} |",
+                  f"| tool calls per answer | {summary['tool_calls']:.2f} |",
+                  f"| tool error ratio | {summary['tool_error_ratio']:.3f} |",
+                  f"| truncation ratio (length) | {summary['truncation_ratio']:.3f} |",
+                  f"| max-turns ratio | {summary['max_turns_ratio']:.3f} |",
+                  f"| no-answer ratio | {summary['no_answer_ratio']:.3f} |",
+                  f"| wall time | {wall:.1f} s |"]
+        per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
+               "|---|---|---|---|---|---|---|---|"]
+        cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]
+        per += [f"| {p['index']} | {cell(p.get('id', ''))} | {cell(p['gold'])} | {p['correct']}/{k} | "
+                f"{cell(p['maj_answer'])} | {p['mean_length']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
+                f"{p['truncated']} |" for p in per_problem]
+        print("\n".join(table[4:]))
+        with open(os.path.join(out_dir, "summary.md"), "w") as f:
+            f.write("\n".join(table + per) + "\n")
+        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
+            f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
+        if save_trajectories:  # every trajectory, decoded, for reading
+            with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
+                for t in trajs:
+                    i, s = t.key[1], t.key[2]
+                    f.write(json.dumps({
+                        "problem": i, "sample": s, "question": problems[i]["question"], "gold": t.meta["gold"],
+                        "pred": t.meta["pred"], "reward": t.meta["reward"], "finish": t.finish, "turns": t.turns,
+                        "response_tokens": len(t.response_ids), "model_tokens": sum(t.mask),
+                        "tool_calls": t.tool_calls, "text": t.text}, ensure_ascii=False) + "\n")
+        print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
+              + (", trajectories.jsonl" if save_trajectories else ""))
+        if keep_unsolved:
+            unsolved = [problems[p["index"]] for p in per_problem if p["correct"] < p["samples"]]
+            os.makedirs(os.path.dirname(os.path.abspath(keep_unsolved)), exist_ok=True)
+            with open(keep_unsolved, "w") as f:
+                f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in unsolved)
+            print(f"kept {len(unsolved)} of {len(problems)} problems (pass rate < 1) in {keep_unsolved}")
+    compute_cleanup()

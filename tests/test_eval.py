@@ -1,0 +1,293 @@
+"""Tests for eval.py: pass@k against a brute-force count over all k-subsets, maj@k ties, every metric on
+hand-made trajectories with hand-computed values, the converter on each layout it claims (parquet and
+JSONL) and on malformed rows, and the script end to end on a tiny random model (twice: same numbers)."""
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import eval as ev
+from rollout import Trajectory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- pass@k and maj@k
+
+def test_pass_at_k_matches_brute_force_over_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                brute = sum(any(s) for s in subsets) / len(subsets)
+                assert ev.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+    assert ev.pass_at_k(16, 4, 1) == pytest.approx(4 / 16)  # pass@1 is the plain accuracy
+    assert ev.pass_at_k(16, 1, 16) == 1.0 and ev.pass_at_k(16, 0, 16) == 0.0
+
+
+def test_pass_at_k_bad_input():
+    for n, c, k in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)]:
+        with pytest.raises(ValueError, match="pass_at_k"):
+            ev.pass_at_k(n, c, k)
+
+
+def test_majority_vote_ties_normalisation_and_none():
+    assert ev.majority_vote(["7", "5", "5"]) == 1
+    # 5 and 7 tie with two votes each: the answer sampled first among the tied wins (sample 0)
+    assert ev.majority_vote(["5", None, "7", "7", " 5"]) == 0
+    assert ev.majority_vote([None, "7", "5", "5", "7"]) == 1
+    # None answers do not vote, even when they are the majority
+    assert ev.majority_vote([None, None, None, "3"]) == 3
+    assert ev.majority_vote([None, None]) is None and ev.majority_vote([]) is None
+    # whitespace and integer spelling do not split the vote; other spellings do (a plain string vote)
+    assert ev.majority_vote(["1/2", "0042", "4 2", "+42", "1/2"]) == 1
+    assert ev.majority_vote(["0.5", "1/2", "\\frac{1}{2}", "1 / 2"]) == 1
+    assert ev.normalize_answer(" -007 ") == "-7" and ev.normalize_answer("-0") == "0"
+    assert ev.normalize_answer("x + 1") == "x+1" and ev.normalize_answer("+") == "+"
+
+
+# ----------------------------------------------------------------------------- metrics on crafted trajectories
+
+def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
+    text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
+    t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
+                   mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
+                   turns=turns, finish=finish, meta={"gold": gold}, text=text)
+    ev.score_trajectory(t)
+    return t
+
+
+def test_metrics_hand_computed():
+    groups = [
+        # gold 42: right, wrong, no answer, right -> 2/4; vote 42 (2 votes) -> right
+        [traj(0, 0, "42", "42", 10, 6, ["ok", "error"], 2), traj(0, 1, "42", "41", 20, 20),
+         traj(0, 2, "42", None, 30, 10, ["timeout", "invalid", "ok"], 4, "length"), traj(0, 3, "42", " 042", 40, 40)],
+        # gold 8: 1/4; vote 7 -> wrong
+        [traj(1, 0, "8", "7", 5, 5), traj(1, 1, "8", "7", 5, 5, ["ok"], 2), traj(1, 2, "8", "8", 5, 5),
+         traj(1, 3, "8", "9", 5, 5, ["memory", "crash"], 3, "max_turns")],
+        # gold 3: 2/4; 3 and 4 tie, 3 was sampled first -> right
+        [traj(2, 0, "3", "3", 100, 50), traj(2, 1, "3", "4", 100, 50), traj(2, 2, "3", "4", 100, 50, ["overloaded"], 2),
+         traj(2, 3, "3", "3", 100, 50, [], 1, "length")],
+    ]
+    assert [t.meta["reward"] for t in groups[0]] == [1.0, 0.0, 0.0, 1.0]
+    s, per = ev.metrics(groups)
+    assert s["problems"] == 3 and s["samples"] == 4
+    accs = [0.5, 0.25, 0.5]
+    assert s["avg@k"] == pytest.approx(1.25 / 3)
+    mean = sum(accs) / 3
+    assert s["avg@k_se"] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in accs) / 2) / math.sqrt(3))
+    # pass@2 by hand: c=2 of 4 -> 1 - C(2,2)/C(4,2) = 5/6; c=1 -> 1 - C(3,2)/C(4,2) = 1/2
+    assert s["pass@1"] == pytest.approx(s["avg@k"])
+    assert s["pass@2"] == pytest.approx((5 / 6 + 1 / 2 + 5 / 6) / 3)
+    assert s["pass@4"] == s["pass@k"] == 1.0
+    assert set(k for k in s if k.startswith("pass@")) == {"pass@1", "pass@2", "pass@4", "pass@k"}
+    assert s["maj@k"] == pytest.approx(2 / 3)
+    assert [p["maj_answer"] for p in per] == ["42", "7", "3"] and [p["maj_correct"] for p in per] == [1.0, 0.0, 1.0]
+    lengths = [10, 20, 30, 40] + [5] * 4 + [100] * 4
+    model = [6, 20, 10, 40] + [5] * 4 + [50] * 4
+    assert s["mean_length"] == pytest.approx(sum(lengths) / 12) and s["median_length"] == 25
+    assert s["mean_model_tokens"] == pytest.approx(sum(model) / 12) and s["median_model_tokens"] == 15
+    assert s["turns"] == pytest.approx((2 + 1 + 4 + 1 + 1 + 2 + 1 + 3 + 1 + 1 + 2 + 1) / 12)
+    assert s["tool_calls"] == pytest.approx(9 / 12)
+    # errors: error, timeout, invalid, memory, crash = 5 of 9 calls (ok and overloaded are not errors)
+    assert s["tool_error_ratio"] == pytest.approx(5 / 9)
+    assert s["truncation_ratio"] == pytest.approx(2 / 12) and s["max_turns_ratio"] == pytest.approx(1 / 12)
+    assert s["no_answer_ratio"] == pytest.approx(1 / 12)
+    assert [p["correct"] for p in per] == [2, 1, 2] and [p["tool_errors"] for p in per] == [3, 2, 0]
+    assert per[0]["answers"] == ["42", "41", None, "042"] and per[0]["mean_length"] == 25
+    assert per[0]["truncated"] == 1 and per[2]["tool_calls"] == 1
+
+
+def test_metrics_majority_counts_first_sample_reward_and_no_answers():
+    # no sample answers: maj wrong, no_answer 1; one sample only: se 0
+    s, per = ev.metrics([[traj(0, 0, "5", None, 3, 3), traj(0, 1, "5", None, 3, 3)]])
+    assert s["maj@k"] == 0.0 and per[0]["maj_answer"] is None and s["no_answer_ratio"] == 1.0
+    assert s["avg@k_se"] == 0.0 and s["tool_error_ratio"] == 0.0
+    with pytest.raises(ValueError, match="same non-zero number of samples"):
+        ev.metrics([[traj(0, 0, "5", "5", 3, 3)], []])
+
+
+# ----------------------------------------------------------------------------- the converter
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+
+
+def read_out(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_convert_each_layout(tmp_path):
+    # HuggingFaceH4/aime_2024 parquet: id, problem, solution, answer, url, year (answers as strings)
+    aime24 = tmp_path / "aime24.parquet"
+    pq.write_table(pa.table({"id": [60, 61], "problem": ["Find x.", "Find y. "], "solution": ["s", "t"],
+                             "answer": ["204", "025"], "url": ["u", "v"], "year": ["2024", "2024"]}), aime24)
+    # a parquet with integer answers (other AIME / HMMT dumps)
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"problem_idx": [1], "problem": ["Count z."], "answer": [33]}), ints)
+    # opencompass/AIME2025 JSONL: question, answer
+    aime25 = tmp_path / "aime2025-I.jsonl"
+    write_jsonl(aime25, [{"question": "Q1", "answer": "70"}, "", {"question": "Q2", "answer": "588"}])
+    # HuggingFaceH4/MATH-500 JSONL
+    math500 = tmp_path / "test.jsonl"
+    write_jsonl(math500, [{"problem": "Convert (0,3).", "solution": "...", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                           "subject": "Precalculus", "level": 2, "unique_id": "test/precalculus/807.json"}])
+    # the rStar2-Agent repo's preprocessed parquet: prompt = [user: problem], reward_model.ground_truth
+    rstar = tmp_path / "aime24_rstar2.parquet"
+    pq.write_table(pa.table({
+        "data_source": ["aime24"], "agent_name": ["rstar2_agent"],
+        "prompt": [[{"role": "user", "content": "What is 6*7?"}]],
+        "reward_model": [{"ground_truth": "42", "style": "rule"}]}), rstar)
+    out = tmp_path / "out" / "all.jsonl"
+    n = ev.convert([str(aime24), str(ints), str(aime25), str(math500), str(rstar)], str(out))
+    rows = read_out(out)
+    assert n == len(rows) == 7
+    assert rows[0] == {"question": "Find x.", "answer": "204", "id": 60}
+    assert rows[1] == {"question": "Find y.", "answer": "025", "id": 61}
+    assert rows[2] == {"question": "Count z.", "answer": "33", "id": 1}
+    assert rows[3:5] == [{"question": "Q1", "answer": "70"}, {"question": "Q2", "answer": "588"}]
+    assert rows[5] == {"question": "Convert (0,3).", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                       "id": "test/precalculus/807.json"}
+    assert rows[6] == {"question": "What is 6*7?", "answer": "42"}
+    # what we write is what the eval script (and train_rl) reads
+    from data import read_jsonl
+    assert read_jsonl(str(out)) == rows
+
+
+def test_convert_reports_bad_rows_with_file_and_row(tmp_path):
+    bad_jsonl = tmp_path / "bad.jsonl"
+    write_jsonl(bad_jsonl, [{"question": "Q1", "answer": "1"}, "", {"question": "Q3", "solution": "no answer"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: no answer"):
+        ev.convert([str(bad_jsonl)], str(tmp_path / "o.jsonl"))
+    not_json = tmp_path / "broken.jsonl"
+    write_jsonl(not_json, [{"question": "Q1", "answer": "1"}, "{oops"])
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
+        ev.convert([str(not_json)], str(tmp_path / "o.jsonl"))
+    bad_parquet = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"problem": ["P1", "P2", "P3"], "answer": ["1", None, "3"]}), bad_parquet)
+    with pytest.raises(ValueError, match=r"bad\.parquet:2: the answer must be a non-empty string"):
+        ev.convert([str(bad_parquet)], str(tmp_path / "o.jsonl"))
+    cases = [({"text": "Q", "answer": "1"}, "no question"), ({"question": "", "answer": "1"}, "question must be"),
+             ({"question": "Q", "answer": 1.5}, "answer must be"), ({"question": "Q", "answer": True}, "answer must be"),
+             ({"prompt": "Q", "reward_model": {"ground_truth": "1"}}, "list of chat messages"),
+             ({"prompt": [{"role": "user", "content": "Q"}], "reward_model": {}}, "no answer")]
+    for row, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            ev.convert_row(row)
+    with pytest.raises(ValueError, match=r"\.csv: expected a \.parquet or \.jsonl"):
+        ev.convert([str(tmp_path / "x.csv")], str(tmp_path / "o.jsonl"))
+
+
+def test_convert_command_line(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.parquet"
+    write_jsonl(a, [{"problem": "P", "answer": 7}])
+    pq.write_table(pa.table({"question": ["Q"], "answer": ["x^2"]}), b)
+    p = subprocess.run([sys.executable, "eval.py", "convert", str(a), str(b), str(tmp_path / "o.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "wrote 2 problems" in p.stdout
+    assert read_out(tmp_path / "o.jsonl") == [{"question": "P", "answer": "7"}, {"question": "Q", "answer": "x^2"}]
+
+
+# ----------------------------------------------------------------------------- the script on a tiny model
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random tiny Qwen3 + tokenizer and its held-out problems, made by data.py's own functions."""
+    import data
+    d = tmp_path_factory.mktemp("tiny")
+    data.prepare(str(d / "base"), 0, data.run_subprocess, data_dir=str(d / "data"), n_train=8, n_heldout=3, n_sft=8)
+    return d
+
+
+def run_eval(tiny, out_dir, *extra, ranks=1):
+    launch = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    cmd = launch + ["eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}",
+                    f"--data={tiny / 'data' / 'heldout.jsonl'}", f"--out_dir={out_dir}", "--samples=2",
+                    "--max_response_tokens=48", "--tool_workers=1", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def outputs(out_dir):
+    """summary.json without what differs between runs on purpose, and the trajectory dump."""
+    with open(out_dir / "summary.json") as f:
+        summary = json.load(f)
+    summary.pop("wall_s")
+    for key in ("out_dir", "keep_unsolved"):
+        summary["config"].pop(key)
+    return summary, read_out(out_dir / "trajectories.jsonl")
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval_a")
+    p = run_eval(tiny, out, f"--keep_unsolved={out / 'hard.jsonl'}")
+    return out, p.stdout
+
+
+def test_script_runs_and_writes_outputs(tiny, first_run):
+    out, stdout = first_run
+    assert "| avg@2 |" in stdout
+    s, trajs = outputs(out)
+    assert s["problems"] == 3 and s["samples"] == 2 and s["temperature"] == 1.0
+    assert s["config"]["max_response_tokens"] == 48 and s["config"]["max_turns"] == 4
+    assert [(t["problem"], t["sample"]) for t in trajs] == [(i, j) for i in range(3) for j in range(2)]
+    for t in trajs:
+        assert 1 <= t["response_tokens"] <= 48 and t["model_tokens"] <= t["response_tokens"]
+        assert t["finish"] in ("stop", "length", "max_turns") and t["reward"] in (0.0, 1.0)
+        assert isinstance(t["text"], str) and t["text"]
+    # the summary agrees with the dump it came from
+    assert s["avg@k"] == pytest.approx(sum(t["reward"] for t in trajs) / 6)
+    assert s["mean_length"] == pytest.approx(sum(t["response_tokens"] for t in trajs) / 6)
+    assert s["truncation_ratio"] == pytest.approx(sum(t["finish"] == "length" for t in trajs) / 6)
+    per = read_out(out / "per_problem.jsonl")
+    assert [p["index"] for p in per] == [0, 1, 2]
+    assert [p["correct"] for p in per] == [sum(t["reward"] for t in trajs if t["problem"] == i) for i in range(3)]
+    md = open(out / "summary.md").read()
+    assert "| avg@2 |" in md and "| maj@2 |" in md and md.count("/2 |") == 3
+    heldout = read_out(tiny / "data" / "heldout.jsonl")
+    assert read_out(out / "hard.jsonl") == [heldout[p["index"]] for p in per if p["correct"] < 2]
+
+
+def test_script_same_numbers_with_same_seed(tiny, first_run, tmp_path):
+    run_eval(tiny, tmp_path / "b")
+    assert outputs(tmp_path / "b") == outputs(first_run[0])
+    # a different seed samples different trajectories (a random 1M-param model: identical text is
+    # practically impossible over 6 trajectories of up to 48 tokens)
+    run_eval(tiny, tmp_path / "c", "--seed=1")
+    assert outputs(tmp_path / "c")[1] != outputs(first_run[0])[1]
+
+
+def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
+    # two ranks share the problems through the scheduler; every trajectory has its own generator,
+    # so the results do not depend on which rank made it
+    p = run_eval(tiny, tmp_path / "d", ranks=2)
+    assert "2 rank(s)" in p.stdout
+    assert outputs(tmp_path / "d") == outputs(first_run[0])
+
+
+def test_script_bad_input_is_named(tiny, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
+    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}", f"--data={bad}"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "bad.jsonl:1: field 'answer' must be a string" in p.stderr
+    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}",
+                        f"--data={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "longer than max_prompt_tokens=8" in p.stderr
