@@ -1,0 +1,534 @@
+"""
+The Qwen3 / Qwen2.5 decoder in plain torch, with the four things RL needs from a model:
+
+1. `model(input_ids, attention_mask)` -> logits, for padded batches (left or right padding) and for
+   packed batches (attention_mask holds segment ids 1, 2, 3, ...; positions restart per segment).
+2. `token_logprobs(model, input_ids, targets, ...)` -> per-token log-probs (and entropy) without ever
+   holding fp32 logits for the whole batch: the lm_head + log_softmax run chunk by chunk, each chunk
+   checkpointed, so forward and backward hold one chunk of logits at a time.
+3. `model.forward_cached(input_ids, cache, rows)` -> logits, incremental decoding against a `KVCache`
+   where every row has its own length (continuous batching, prefix sharing with `copy_row`).
+4. `load_model` / `save_model` / `shard_model` / `load_weights`: HF safetensors directories in and out
+   (parameter names are HF's, so state dicts map 1:1 and transformers loads what we save), and FSDP2.
+
+Attention runs through flash-attn when it imports and the tensors are fp16/bf16 on a GPU (CUDA or
+ROCm): `flash_attn_varlen_func` for full forwards, `flash_attn_with_kvcache` for decoding. Otherwise
+torch SDPA with explicit boolean masks. The choice is made in `use_flash`, nowhere else.
+
+Loading a 14B model on many ranks without a full copy per rank:
+    model = load_model(path, device="meta")         # shapes only, no memory
+    shard_model(model)                                # FSDP2: params become DTensor shards (still meta)
+    load_weights(model, path, device="cuda")          # each rank reads only its rows of each tensor
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
+
+try:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class Config:
+    model_type: str = "qwen3"  # "qwen3": q/k RMSNorm, no qkv bias; "qwen2": qkv bias, no q/k norm
+    vocab_size: int = 151936
+    hidden_size: int = 5120
+    intermediate_size: int = 17408
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 40
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen3 only (all four projections); qwen2 always has q/k/v bias
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+
+    @classmethod
+    def from_json(cls, path):
+        """read a HF config.json (or the directory holding one)"""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("model_type") not in ("qwen3", "qwen2"):
+            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3 or qwen2)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {d['hidden_act']!r} is not supported (silu)")
+        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
+            raise ValueError(f"{path}: sliding-window attention is not supported")
+        # transformers 5 writes rope_parameters, older files rope_theta (+ rope_scaling)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{path}: rope scaling {rope} is not supported (plain rope only)")
+        heads = d["num_attention_heads"]
+        return cls(
+            model_type=d["model_type"],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    def to_dict(self, dtype):
+        """the config.json that transformers (4.x and 5.x) reads back"""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        d.update(architectures=[arch], hidden_act="silu", use_cache=True, use_sliding_window=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                 torch_dtype=str(dtype).removeprefix("torch."))
+        return d
+
+
+def use_flash(device, dtype):
+    """the one place that picks the attention backend: flash-attn for half precision on a GPU"""
+    return (flash_attn_varlen_func is not None and torch.device(device).type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16))
+
+
+# -----------------------------------------------------------------------------
+# the decoder
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32, scale in the input dtype (as transformers does, so bf16 matches too)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions, cfg, dtype):
+    """positions (B, T) -> cos, sin (B, T, 1, head_dim), computed in fp32 like transformers"""
+    dims = torch.arange(0, cfg.head_dim, 2, device=positions.device).float()
+    inv_freq = 1.0 / (cfg.rope_theta ** (dims / cfg.head_dim))  # (head_dim/2,)
+    freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
+    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+
+
+def apply_rope(x, cos, sin):
+    # HF's rotate_half convention: the two halves of head_dim are the (real, imaginary) pairs
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def sdpa(q, k, v, mask):
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd), mask (B, T, S) bool (True = visible) or None = causal"""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    B, H, T, hd = q.shape
+    rep = H // k.shape[1]
+    # fold the query heads of each kv group into the query axis: K/V are read in place (a view of
+    # the cache when decoding), never repeated per head
+    q = q.reshape(B, k.shape[1], rep * T, hd)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, rep, 1)[:, None])
+    return y.view(B, H, T, hd)
+
+
+def attend(q, k, v, att, layer_idx):
+    """q (B, T, H, hd), k/v (B, T, Hkv, hd) rotated -> (B, T, H, hd); att is set up once per forward"""
+    B, T, H, hd = q.shape
+    cache = att.get("cache")
+    if cache is None and att["flash"]:
+        # packed training: drop pad tokens, every segment is one varlen sequence
+        idx, cu, max_len = att["varlen"]
+        q, k, v = (z.reshape(B * T, -1, hd)[idx] for z in (q, k, v))  # (N, heads, hd)
+        y = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)  # (N, H, hd)
+        return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
+    if cache is None:
+        return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
+    kc, vc, rows = cache.k[layer_idx], cache.v[layer_idx], att["rows"]
+    if cache.flash:
+        # writes k/v into the cache at cache_seqlens in place; causal aligns query t to key lengths[b] + t
+        if isinstance(rows, slice):
+            return flash_attn_with_kvcache(q, kc[rows], vc[rows], k=k, v=v, cache_seqlens=att["seqlens"], causal=True)
+        return flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=att["seqlens"], cache_batch_idx=rows,
+                                       causal=True)
+    b, pos, Lmax = torch.arange(B, device=q.device)[:, None], att["pos"], att["Lmax"]
+    if isinstance(rows, slice):
+        kc, vc = kc[rows], vc[rows]  # (B, Hkv, L, hd) views: nothing is copied
+        kc[b, :, pos], vc[b, :, pos] = k, v  # write the new tokens at their positions
+    else:
+        kc[rows[:, None], :, pos], vc[rows[:, None], :, pos] = k, v
+        kc, vc = kc[rows, :, :Lmax], vc[rows, :, :Lmax]  # gather (copies only B rows up to Lmax)
+    return sdpa(q.transpose(1, 2), kc[:, :, :Lmax], vc[:, :, :Lmax], att["mask"]).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        qkv_bias = cfg.model_type == "qwen2" or cfg.attention_bias
+        H, Hkv, hd, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(D, H * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=cfg.model_type == "qwen3" and cfg.attention_bias)
+        if cfg.model_type == "qwen3":
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)  # per head, over head_dim
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, att):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, Hkv, hd)
+        v = self.v_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, Hkv, hd)
+        if self.cfg.model_type == "qwen3":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = attend(q, k, v, att, self.layer_idx)  # (B, T, H, hd)
+        return self.o_proj(y.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, att):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, att)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def chunk_logprobs(h, targets, weight, with_entropy):
+    """h (N, D), targets (N,) -> log p(target) (N,) fp32 [, entropy (N,) without grad]"""
+    logits = F.linear(h, weight).float()  # (N, V): the only full-vocab tensor, one chunk at a time
+    lse = torch.logsumexp(logits, dim=-1)  # (N,)
+    logp = logits.gather(1, targets[:, None]).squeeze(1) - lse
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # H = log Z - E_p[logit]
+    return logp, entropy
+
+
+class Qwen(nn.Module):
+    """the decoder; attribute names mirror transformers' Qwen3ForCausalLM / Qwen2ForCausalLM"""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+        ))
+        # tied: no lm_head module at all, the embedding matrix is the head (state dict has no lm_head.weight)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        # a fresh model (tests, the tiny model) gets HF's init; on the meta device this costs nothing
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif not name.endswith("norm.weight"):
+                nn.init.normal_(p, std=0.02)
+
+    def head_weight(self):
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False):
+        """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        t = torch.arange(T, device=x.device)
+        flash = use_flash(x.device, x.dtype)
+        if attention_mask is None and not flash:
+            positions, att = t.expand(B, T), dict(flash=False, mask=None)
+        else:
+            m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            if m.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
+            start = torch.ones_like(m, dtype=torch.bool)  # (B, T) True where a segment begins
+            start[:, 1:] = m[:, 1:] != m[:, :-1]
+            positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values  # (B, T) restart per segment
+            if flash:
+                keep = m.reshape(-1) != 0
+                idx = keep.nonzero().squeeze(1)  # (N,) flat indices of real tokens
+                seg_starts = start.reshape(-1)[idx].nonzero().squeeze(1)  # where each segment begins among them
+                cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()  # (S + 1,) cumulative lengths
+                att = dict(flash=True, varlen=(idx, cu, int((cu[1:] - cu[:-1]).max())))
+            else:
+                seg = start.cumsum(1)  # (B, T) segment number within the row
+                causal = t[:, None] >= t[None, :]  # (T, T)
+                att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)  # (B, T, T)
+        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, att, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, att)
+        x = self.model.norm(x)
+        if targets is None:
+            return F.linear(x, self.head_weight())  # (B, T, V)
+        # chunked head: each chunk's fp32 logits live only inside its checkpoint
+        h, tg = x.reshape(B * T, -1), targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
+        outs = [checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(), with_entropy,
+                           use_reentrant=False) for i in range(0, B * T, chunk_size)]
+        if not with_entropy:
+            return torch.cat(outs).view(B, T)
+        return torch.cat([o[0] for o in outs]).view(B, T), torch.cat([o[1] for o in outs]).view(B, T)
+
+    @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
+    def forward_cached(self, input_ids, cache, rows, last_only=False):
+        """T new tokens for each of B cache rows -> logits (B, T, V), or (B, 1, V) with last_only.
+
+        rows: a slice of contiguous rows (fast path, views only) or a LongTensor (B,) of row indices.
+        Row b's tokens get positions lengths[b] + arange(T); afterwards lengths[rows] += T.
+        """
+        B, T = input_ids.shape
+        if isinstance(rows, slice):
+            n = len(range(*rows.indices(cache.num_rows)))
+            if n != B or rows.step not in (None, 1):
+                raise ValueError(f"rows {rows} select {n} rows (step {rows.step}); need {B} contiguous rows")
+        else:
+            rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+            if rows.shape != (B,) or rows.unique().numel() != B:
+                raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
+        lengths = cache.lengths[rows]  # (B,) on CPU
+        if (lengths + T > cache.max_len).any():
+            b = int((lengths + T > cache.max_len).nonzero()[0])
+            raise ValueError(f"KV cache overflow: row {b} of this call holds {int(lengths[b])} tokens, "
+                             f"+{T} new exceeds max_len {cache.max_len}")
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        if (cache.k.dtype, cache.k.device) != (x.dtype, x.device):
+            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
+        pos = (lengths[:, None] + torch.arange(T)).to(x.device)  # (B, T)
+        if cache.flash:
+            idx = rows if isinstance(rows, slice) else rows.to(x.device, torch.int32)
+            att = dict(cache=cache, rows=idx, seqlens=lengths.to(x.device, torch.int32))
+        else:
+            Lmax = int((lengths + T).max())
+            mask = torch.arange(Lmax, device=x.device) <= pos[:, :, None]  # (B, T, Lmax): key j visible to new token t
+            idx = rows if isinstance(rows, slice) else rows.to(x.device)
+            att = dict(cache=cache, rows=idx, pos=pos, mask=mask, Lmax=Lmax)
+        cos, sin = rope_cos_sin(pos, self.cfg, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, att)
+        x = self.model.norm(x[:, -1:] if last_only else x)
+        cache.lengths[rows] += T
+        return F.linear(x, self.head_weight())  # (B, T or 1, V)
+
+
+def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False):
+    """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
+
+    Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
+    Goes through model(...) so FSDP's hooks gather the head weights as for any forward.
+    """
+    if targets.shape != input_ids.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+# -----------------------------------------------------------------------------
+# KV cache for incremental decoding
+
+class KVCache:
+    """k/v for num_rows sequences of up to max_len tokens, each row with its own length.
+
+    self.k[i] / self.v[i] is layer i's storage: (num_rows, n_kv_heads, max_len, head_dim) for SDPA, or
+    flash-attn's layout (num_rows, max_len, n_kv_heads, head_dim). Zero-filled, so never-written slots
+    are finite (masked keys still multiply their values by 0).
+    """
+
+    def __init__(self, cfg, num_rows, max_len, device, dtype):
+        self.num_rows, self.max_len = num_rows, max_len
+        self.flash = use_flash(device, dtype)
+        L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        shape = (L, num_rows, max_len, Hkv, hd) if self.flash else (L, num_rows, Hkv, max_len, hd)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
+
+    def copy_row(self, src: int, dst: int):
+        """dst becomes a copy of src's prefix (prefix sharing: sample several continuations of one prompt)"""
+        n = int(self.lengths[src])
+        for buf in (self.k, self.v):
+            if self.flash:
+                buf[:, dst, :n] = buf[:, src, :n]
+            else:
+                buf[:, dst, :, :n] = buf[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def reset_row(self, row: int):
+        self.lengths[row] = 0
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: HF safetensors directories
+
+def weight_files(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def load_model(path, device="cpu", dtype=torch.float32):
+    """a Qwen built on the meta device (no init wasted), materialised on `device` and filled from `path`.
+    device="meta" returns it unmaterialised (for shard_model + load_weights)."""
+    cfg = Config.from_json(path)
+    with torch.device("meta"):
+        model = Qwen(cfg).to(dtype)
+    if torch.device(device).type != "meta":
+        load_weights(model, path, device)
+    return model
+
+
+@torch.no_grad()
+def load_weights(model, path, device=None):
+    """copy the safetensors in `path` into model's parameters, tensor by tensor in the params' dtype.
+
+    A model still on the meta device is first materialised on `device`. FSDP2-sharded (DTensor)
+    params read only this rank's rows (Shard(0)), so no rank ever holds the full model.
+    Optimizers must be built after this (materialising replaces the parameter objects).
+    """
+    if any(p.is_meta for p in model.parameters()):
+        if device is None:
+            raise ValueError("load_weights: the model is on the meta device, pass device=")
+        model.to_empty(device=device)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+                    continue  # some tied checkpoints store the head anyway
+                if name not in params:
+                    raise KeyError(f"{file}: tensor {name!r} matches no parameter of the model")
+                p, sl = params[name], f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(p.shape):
+                    raise ValueError(f"{file}: {name} has shape {sl.get_shape()}, the model expects {tuple(p.shape)}")
+                if isinstance(p, DTensor):
+                    if tuple(p.placements) != (Shard(0),):
+                        raise ValueError(f"{name}: load_weights reads Shard(0) DTensors only, got {p.placements}")
+                    # FSDP2 shards dim 0 like torch.chunk: rank r owns rows [r*c, r*c + local rows)
+                    local = p.to_local()
+                    start = p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size())
+                    if local.shape[0] > 0:
+                        local.copy_(sl[start:start + local.shape[0]])
+                else:
+                    p.copy_(f.get_tensor(name))
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"{path}: no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+@torch.no_grad()
+def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
+    """write config.json + safetensors (sharded with an index above max_shard_bytes) under HF names.
+
+    dtype: save in this dtype (e.g. torch.bfloat16 from fp32 master weights); None keeps each param's.
+    Under FSDP every rank must call this: params are gathered one at a time with full_tensor() and
+    only rank 0 writes, holding at most one shard in memory.
+    """
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    params = dict(model.named_parameters())
+    dtype = dtype or next(iter(params.values())).dtype
+    # plan shards from global sizes, so every rank agrees without communication
+    shards, size = [[]], 0
+    for name, p in params.items():
+        nbytes = p.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if rank0:
+        os.makedirs(path, exist_ok=True)
+        for old in os.listdir(path):  # a stale single file or index would shadow the new weights
+            if old.startswith("model") and (old.endswith(".safetensors") or old.endswith(".safetensors.index.json")):
+                os.remove(os.path.join(path, old))
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(model.cfg.to_dict(dtype), f, indent=2)
+    for names, file in zip(shards, files):
+        tensors = {}
+        for name in names:
+            t = params[name].detach()
+            t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: all ranks take part
+            if rank0:
+                tensors[name] = t.to(device="cpu", dtype=dtype).contiguous()
+        if rank0:
+            save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+    if rank0 and len(shards) > 1:
+        weight_map = {name: file for names, file in zip(shards, files) for name in names}
+        total = sum(p.numel() * dtype.itemsize for p in params.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+# -----------------------------------------------------------------------------
+# FSDP2
+
+def shard_model(model, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head).
+
+    Params stay fp32 shards (the master copy the optimizer updates); forward/backward all-gather them
+    in param_dtype (None = keep fp32, for CPU tests) and reduce-scatter grads in reduce_dtype.
+    forward_cached is registered too, so a sharded model can also decode.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    register_fsdp_forward_method(model, "forward_cached")
+    return model

@@ -1,0 +1,293 @@
+"""model.py against transformers' own Qwen3 / Qwen2 on tiny random configs (fp32, CPU, no downloads)."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import model as model_module
+from model import Config, KVCache, Qwen, load_model, save_model, token_logprobs
+
+V = 101  # odd vocab on purpose
+
+# (name, transformers class, config kwargs): GQA ratios 3:1 and 6:2, tied and untied, both families
+CONFIGS = [
+    ("qwen3-3q1kv", Qwen3ForCausalLM, Qwen3Config, dict(num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    ("qwen3-6q2kv-tied", Qwen3ForCausalLM, Qwen3Config, dict(num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                                             tie_word_embeddings=True)),
+    ("qwen2-6q2kv", Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=6, num_key_value_heads=2)),
+    ("qwen2-3q1kv-tied", Qwen2ForCausalLM, Qwen2Config, dict(num_attention_heads=3, num_key_value_heads=1,
+                                                             tie_word_embeddings=True)),
+]
+
+
+@torch.no_grad()
+def randomize(model, seed):
+    """weights that give O(1) activations and peaked logits (HF's 0.02 init makes everything near-uniform)"""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        r = torch.randn(p.shape, generator=g)
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * r)
+        elif name.endswith("bias"):
+            p.copy_(0.2 * r)
+        elif "embed_tokens" in name:
+            p.copy_(r)
+        else:
+            p.copy_(r / p.shape[-1] ** 0.5)
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=[c[0] for c in CONFIGS])
+def pair(request, tmp_path_factory):
+    """(transformers model, our model loaded from its save_pretrained directory, that directory)"""
+    name, hf_cls, cfg_cls, kw = request.param
+    cfg = cfg_cls(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2, **kw)
+    torch.manual_seed(0)
+    hf = hf_cls._from_config(cfg, attn_implementation="eager", torch_dtype=torch.float32).eval()
+    randomize(hf, seed=1)
+    path = str(tmp_path_factory.mktemp(name))
+    hf.save_pretrained(path)
+    return hf, load_model(path), path
+
+
+def padded_batch():
+    """3 rows of length 12: left-padded (7 real), full, right-padded (4 real)"""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[2, 4:] = 0
+    return ids, mask
+
+
+def test_matches_transformers_on_padded_batch(pair):
+    hf, ours, _ = pair
+    ids, mask = padded_batch()
+    # transformers takes positions from the caller; counting real tokens makes left padding harmless
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = F.log_softmax(hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits, -1)
+        got = F.log_softmax(ours(ids, mask), -1)
+        unpadded = F.log_softmax(ours(ids[1:2]), -1)  # the full row with no mask at all
+    real = mask.bool()
+    assert (got[real] - ref[real]).abs().max() < 1e-4
+    assert (unpadded[0] - ref[1]).abs().max() < 1e-4
+    # the left-padded row equals the same tokens run alone
+    with torch.no_grad():
+        alone = F.log_softmax(ours(ids[0:1, 5:]), -1)
+    assert (alone[0] - got[0, 5:]).abs().max() < 1e-4
+
+
+def test_packed_segments_equal_separate_runs(pair):
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (5, 3, 6, 9)]
+    # row 0: segments 1, 2, 3 then one pad; row 1: segment 1 (9 tokens) then 6 pads
+    ids = torch.zeros(2, 15, dtype=torch.long)
+    mask = torch.zeros(2, 15, dtype=torch.long)
+    start = 0
+    for seg, s in enumerate(seqs[:3], start=1):
+        ids[0, start:start + len(s)], mask[0, start:start + len(s)] = s, seg
+        start += len(s)
+    ids[1, :9], mask[1, :9] = seqs[3], 1
+    with torch.no_grad():
+        packed = ours(ids, mask)
+        start = 0
+        for s in seqs[:3]:
+            assert (packed[0, start:start + len(s)] - ours(s[None])[0]).abs().max() < 1e-4
+            start += len(s)
+        assert (packed[1, :9] - ours(seqs[3][None])[0]).abs().max() < 1e-4
+
+
+def test_token_logprobs_values_entropy_and_grad(pair):
+    _, ours, _ = pair
+    ids, mask = padded_batch()
+    targets = torch.roll(ids, -1, dims=1)
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4)) * mask  # arbitrary per-token weights
+
+    def naive():
+        logp = F.log_softmax(ours(ids, mask).float(), -1)
+        return logp.gather(-1, targets[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+    ours.zero_grad()
+    ref_lp, ref_ent = naive()
+    (ref_lp * w).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    for checkpointing in (False, True):
+        ours.zero_grad()
+        ours.gradient_checkpointing = checkpointing
+        # chunk of 5 tokens over 36: several chunks and a ragged last one
+        lp, ent = token_logprobs(ours, ids, targets, mask, chunk_size=5, with_entropy=True)
+        assert lp.dtype == torch.float32 and lp.shape == ids.shape and not ent.requires_grad
+        assert (lp - ref_lp).abs().max() < 1e-4
+        assert (ent - ref_ent).abs().max() < 1e-4
+        (lp * w).sum().backward()
+        for n, p in ours.named_parameters():
+            assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
+    ours.gradient_checkpointing = False
+    ours.zero_grad()
+    with torch.no_grad():  # default chunk size, no entropy: one chunk, a plain tensor back
+        assert (token_logprobs(ours, ids, targets, mask) - naive()[0]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="targets shape"):
+        token_logprobs(ours, ids, targets[:, :-1])
+
+
+def test_save_then_transformers_load(pair, tmp_path):
+    hf, ours, _ = pair
+    fresh = Qwen(ours.cfg)  # a model only we have touched
+    randomize(fresh, seed=5)
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = fresh(ids)
+    for shard_bytes, n_files in ((5 * 2**30, 1), (20_000, None)):
+        out = tmp_path / f"shard{shard_bytes}"
+        save_model(fresh, str(out), max_shard_bytes=shard_bytes)
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        if n_files == 1:
+            assert files == ["model.safetensors"]
+        else:
+            assert len(files) > 2
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert set(index["weight_map"]) == set(dict(fresh.named_parameters()))
+            assert set(index["weight_map"].values()) == set(files)
+        back = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32, attn_implementation="sdpa")
+        assert type(back) is type(hf)
+        for name, p in fresh.named_parameters():  # bit-identical weights under the same names
+            assert torch.equal(back.get_parameter(name), p), name
+        with torch.no_grad():
+            assert (back(input_ids=ids).logits - ref).abs().max() < 1e-4  # different kernels, same math
+            assert torch.equal(load_model(str(out))(ids), ref)
+    # re-saving unsharded into the sharded directory must not leave the old index behind
+    save_model(fresh, str(out))
+    assert sorted(f for f in os.listdir(out) if f.startswith("model")) == ["model.safetensors"]
+
+
+def test_incremental_decoding_matches_full_forward(pair):
+    check_decoding(pair[1])
+
+
+def check_decoding(ours):
+    """prefill rows at different lengths, share a prefix, decode over slice and permuted rows, extend
+    one row by several tokens: every logit equals the full forward over the row's whole sequence"""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (3, 7, 5, 1)]
+    cache = KVCache(ours.cfg, num_rows=5, max_len=24, device="cpu", dtype=torch.float32)
+    seqs, logits = [], []  # per row: all tokens fed, and the logits each one produced
+    with torch.no_grad():
+        # 1. prefill rows 0..3 one at a time, at different lengths
+        for r, p in enumerate(prompts):
+            out = ours.forward_cached(p[None], cache, slice(r, r + 1), last_only=r == 2)
+            seqs.append(p.clone())
+            if r == 2:  # last_only: just the logits that predict the next token
+                full = ours(p[None])[0]
+                assert out.shape == (1, 1, V) and (out[0] - full[-1:]).abs().max() < 1e-4
+                out = full[None]
+            logits.append(out[0])
+        assert cache.lengths.tolist() == [3, 7, 5, 1, 0]
+        # 2. row 4 shares row 1's prompt (prefix sharing)
+        cache.copy_row(1, 4)
+        seqs.append(seqs[1].clone())
+        logits.append(logits[1].clone())
+        # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension
+        for step in range(6):
+            new = torch.randint(0, V, (5, 1), generator=g)
+            if step % 2 == 0:
+                order = torch.arange(5)
+                out = ours.forward_cached(new, cache, slice(0, 5))
+            else:
+                order = torch.randperm(5, generator=g)
+                out = ours.forward_cached(new[order], cache, order)
+            for b, r in enumerate(order.tolist()):  # output row b belongs to cache row order[b]
+                seqs[r] = torch.cat([seqs[r], new[r]])
+                logits[r] = torch.cat([logits[r], out[b]])
+            if step == 2:  # a "tool response" of 4 tokens into row 2 only
+                ext = torch.randint(0, V, (1, 4), generator=g)
+                out = ours.forward_cached(ext, cache, torch.tensor([2]))
+                seqs[2] = torch.cat([seqs[2], ext[0]])
+                logits[2] = torch.cat([logits[2], out[0]])
+        assert cache.lengths.tolist() == [len(s) for s in seqs]
+        for r in range(5):
+            ref = F.log_softmax(ours(seqs[r][None])[0], -1)
+            assert (F.log_softmax(logits[r], -1) - ref).abs().max() < 1e-4, f"row {r}"
+        # 4. overflow is an error, and leaves lengths alone
+        with pytest.raises(ValueError, match="max_len"):
+            ours.forward_cached(torch.zeros(1, 24, dtype=torch.long), cache, slice(0, 1))
+        assert cache.lengths.tolist() == [len(s) for s in seqs]
+        cache.reset_row(3)
+        assert cache.lengths[3] == 0
+        # k and v, 2 layers, 5 rows, 24 slots, fp32
+        assert cache.nbytes() == 2 * 2 * 5 * 24 * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+    """flash_attn_varlen_func as documented, in loops: (N, H, hd) tokens, sequences cut at cu_seqlens"""
+    assert causal and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and cu_q[-1] == q.shape[0]
+    assert max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    rep, out = q.shape[1] // k.shape[1], torch.empty_like(q)
+    for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs = q[s:e].transpose(0, 1)  # (H, n, hd)
+        ks, vs = (z[s:e].repeat_interleave(rep, 1).transpose(0, 1) for z in (k, v))  # (H, n, hd)
+        scores = (qs @ ks.transpose(1, 2)) / q.shape[-1] ** 0.5  # (H, n, n)
+        scores = scores.masked_fill(~torch.ones(e - s, e - s, dtype=torch.bool).tril(), float("-inf"))
+        out[s:e] = (scores.softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def reference_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, causal=False):
+    """flash_attn_with_kvcache as documented: write k/v at cache_seqlens in place, attend bottom-right causally"""
+    assert causal and cache_seqlens.dtype == torch.int32
+    B, T, H, hd = q.shape
+    rep, out = H // k.shape[2], torch.empty_like(q)
+    for b in range(B):
+        r, n = b if cache_batch_idx is None else int(cache_batch_idx[b]), int(cache_seqlens[b])
+        k_cache[r, n:n + T], v_cache[r, n:n + T] = k[b], v[b]
+        ks, vs = (c[r, :n + T].repeat_interleave(rep, 1).transpose(0, 1) for c in (k_cache, v_cache))  # (H, n+T, hd)
+        scores = (q[b].transpose(0, 1) @ ks.transpose(1, 2)) / hd ** 0.5  # (H, T, n+T)
+        visible = torch.arange(n + T)[None] <= n + torch.arange(T)[:, None]
+        out[b] = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
+    """no GPU here: stand in for the two flash-attn kernels with loop implementations of their documented
+    semantics, to check everything around them (varlen indices, cu_seqlens, cache layout, row indices)"""
+    _, ours, _ = pair
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        sdpa_padded, sdpa_plain = ours(ids, mask), ours(ids)
+        monkeypatch.setattr(model_module, "use_flash", lambda device, dtype: True)
+        monkeypatch.setattr(model_module, "flash_attn_varlen_func", reference_varlen)
+        monkeypatch.setattr(model_module, "flash_attn_with_kvcache", reference_kvcache)
+        assert (ours(ids, mask) - sdpa_padded)[mask.bool()].abs().max() < 1e-4
+        assert (ours(ids) - sdpa_plain).abs().max() < 1e-4
+    check_decoding(ours)
+    flash_layout = (8, ours.cfg.num_key_value_heads, ours.cfg.head_dim)  # (max_len, Hkv, hd)
+    assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32).k.shape[2:] == flash_layout
+
+
+def test_load_in_bf16_and_config(pair):
+    hf, _, path = pair
+    bf = load_model(path, dtype=torch.bfloat16)
+    for name, p in bf.named_parameters():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, hf.get_parameter(name).to(torch.bfloat16)), name
+    names = set(dict(bf.named_parameters()))
+    assert names == set(dict(hf.named_parameters())) - ({"lm_head.weight"} if bf.cfg.tie_word_embeddings else set())
+    assert load_model(path, device="meta").model.embed_tokens.weight.is_meta
+
+
+def test_config_rejects_unsupported(tmp_path):
+    base = Config(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=3,
+                  num_key_value_heads=1, head_dim=16).to_dict(torch.float32)
+    for bad, msg in ((dict(model_type="llama"), "model_type"), (dict(hidden_act="gelu"), "hidden_act"),
+                     (dict(use_sliding_window=True), "sliding"),
+                     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope")):
+        (tmp_path / "config.json").write_text(json.dumps({**base, **bad}))
+        with pytest.raises(ValueError, match=msg):
+            Config.from_json(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    assert Config.from_json(str(tmp_path)) == Config(**{k: base[k] for k in Config.__dataclass_fields__})
