@@ -1,0 +1,24 @@
+# rStar2-Agent stage 1 on Qwen3-14B-Base (after non-reasoning SFT), 64 GPUs:
+#   torchrun --nnodes 8 --nproc_per_node 8 train_rl.py configs/stage1.py
+# paper §4.3-4.4: all 42K problems, 8K response budget, 10 turns, 300 steps
+model_path = "out/qwen3-14b-sft"
+data_path = "data/rl_42k.jsonl"
+run_dir = "out/stage1"
+steps = 300
+prompts_per_step = 512       # B
+samples_per_prompt = 32      # 2G
+keep_per_prompt = 16         # G after Resample-on-Correct
+max_prompt_tokens = 2048
+max_response_tokens = 8192   # model + tool tokens of one trajectory
+max_turns = 10
+temperature = 1.0
+lr = 1e-6                    # constant after warm-up
+warmup_steps = 20
+weight_decay = 0.01
+mini_batches = 1             # one optimizer step per RL step, on fresh on-policy data
+max_tokens_per_micro = 20480 # verl's ppo_max_token_len_per_gpu in the released script
+activation_checkpointing = True
+dtype = "bfloat16"
+kv_capacity = 0              # 0 = from free accelerator memory after weights
+tool_workers = 64            # sandbox workers per rank (a node has 8 ranks: 512 per node)
+save_every = 20

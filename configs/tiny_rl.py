@@ -1,0 +1,19 @@
+# the tiny CPU run's RL: GRPO-RoC on the arithmetic task, same code path as configs/stage1.py
+#   python train_rl.py configs/tiny_rl.py            (plain GRPO: add --roc=false --run_dir=out/tiny-grpo)
+model_path = "out/tiny-sft"
+data_path = "out/data/train.jsonl"
+run_dir = "out/tiny-rl"
+steps = 60
+prompts_per_step = 8
+samples_per_prompt = 16   # 2G
+keep_per_prompt = 8       # G
+max_prompt_tokens = 96
+max_response_tokens = 256
+max_turns = 4
+temperature = 1.0
+lr = 1e-4
+warmup_steps = 5
+max_tokens_per_micro = 4096
+tool_timeout = 2.0
+tool_max_chars = 256
+save_every = 20

@@ -1,0 +1,12 @@
+# the tiny CPU run's SFT: teaches a random 0.9M-param Qwen3 the protocol on 2,000 arithmetic traces
+#   python train_sft.py configs/tiny_sft.py
+model_path = "out/tiny-base"
+data_path = "out/data/sft.jsonl"
+out_dir = "out/tiny-sft"
+epochs = 6
+lr = 3e-3            # a tiny model wants a large LR; the 14B recipe uses 5e-6
+batch_size = 32
+max_tokens_per_micro = 4096
+max_seq_len = 512
+weight_decay = 0.01
+log_every = 25

@@ -1,0 +1,96 @@
+"""
+The tiny end-to-end run: a 2-core CPU visibly learns agentic tool use, with the same code that
+trains the 14B model. `bash run.sh` runs this file; it runs each stage as its own command, exactly
+as a user would type it, and prints them:
+
+  1. python data.py prepare      tiny tokenizer + random tiny Qwen3, the arithmetic task, SFT traces
+  2. python train_sft.py         non-reasoning SFT on the protocol (tool call, error recovery, answer)
+  3. python eval.py              held-out avg@k at the RL temperature, after SFT
+  4. python train_rl.py          GRPO-RoC
+  5. python eval.py              held-out avg@k after RL
+  6. out/demo/curves.png + out/demo/summary.md
+
+`python demo.py --compare` also runs plain GRPO with the same seed and steps and plots both (the
+paper's Fig. 4 on a laptop: tool errors inside correct trajectories).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from common import read_metrics
+
+compare = "--compare" in sys.argv
+seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seed=")), 0)
+out = "out/demo"
+os.makedirs(out, exist_ok=True)
+t_start = time.time()
+
+
+def sh(*args):
+    cmd = [sys.executable, *args]
+    print("\n$ python " + " ".join(args), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def evaluate(model, name):
+    sh("eval.py", "configs/tiny_eval.py", f"--model={model}", f"--out_dir={out}/eval_{name}", f"--seed={seed}")
+    with open(f"{out}/eval_{name}/summary.json") as f:
+        return json.load(f)
+
+
+sh("data.py", "prepare", "--out=out/tiny-base", f"--seed={seed}")
+sh("train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
+before = evaluate("out/tiny-sft", "sft")
+runs = {"GRPO-RoC": "out/tiny-rl"}
+sh("train_rl.py", "configs/tiny_rl.py", f"--seed={seed}")
+if compare:
+    runs["GRPO"] = "out/tiny-grpo"
+    sh("train_rl.py", "configs/tiny_rl.py", "--roc=false", "--run_dir=out/tiny-grpo", f"--seed={seed}")
+steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
+after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
+
+# training curves: reward, tool error ratio among positives (Fig. 4), response length; held-out accuracy
+fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+for name, d in runs.items():
+    m = read_metrics(d)
+    s = [r["step"] for r in m]
+    for ax, key in zip(axes[:3], ("reward", "tool_err_pos", "response_len")):
+        w = 5  # a short moving average: single RL steps on 8 prompts are noisy
+        y = [sum(r[key] for r in m[max(0, i - w + 1):i + 1]) / len(m[max(0, i - w + 1):i + 1]) for i in range(len(m))]
+        ax.plot(s, y, label=name)
+axes[0].set_title("training reward (5-step mean)")
+axes[1].set_title("tool error ratio in correct trajectories")
+axes[2].set_title("response length (tokens)")
+labels = ["after SFT"] + [f"after {n}" for n in after]
+accs = [before["avg@k"]] + [a["avg@k"] for a in after.values()]
+errs = [before["avg@k_se"]] + [a["avg@k_se"] for a in after.values()]
+axes[3].bar(labels, [100 * a for a in accs], yerr=[100 * e for e in errs], color=["gray", "C0", "C1"][:len(accs)])
+axes[3].set_title(f"held-out avg@{before['samples']} (T={before['temperature']})")
+axes[3].set_ylim(0, 100)
+for ax in axes[:3]:
+    ax.set_xlabel("RL step")
+    ax.legend()
+fig.tight_layout()
+fig.savefig(f"{out}/curves.png", dpi=100)
+
+rows = [("after SFT", before)] + [(f"after {n} ({steps} steps)", a) for n, a in after.items()]
+table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | tool error ratio | mean length |",
+         "|---|---|---|---|---|---|---|"]
+for name, s in rows:
+    table.append(f"| {name} | {100 * s['avg@k']:.1f}% | {100 * s['avg@k_se']:.1f} | {100 * s['pass@k']:.1f}% | "
+                 f"{s['tool_calls']:.2f} | {s['tool_error_ratio']:.3f} | {s['mean_length']:.0f} |")
+final = {n: read_metrics(d)[-1] for n, d in runs.items()}
+summary = "\n".join(table) + "\n\n" + "\n".join(
+    f"- {n}: last-step tool error ratio among positive trajectories {m['tool_err_pos']:.3f}" for n, m in final.items())
+summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before['samples']} samples; " \
+           f"wall time {(time.time() - t_start) / 60:.1f} min\n"
+open(f"{out}/summary.md", "w").write(summary)
+print("\n" + summary)
+print(f"plot: {out}/curves.png")
