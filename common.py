@@ -133,12 +133,19 @@ def pack(lengths, max_tokens, world=1):
         m += 1
 
 
-def packed_row(seqs, device):
-    """Concatenate per-token lists (dicts with equal-length lists per sequence) into one packed row
-    (1, N) per key, plus "seg": segment ids 1, 2, ... that keep the sequences from attending to each
-    other. An empty bin becomes a single zero token (it still joins the FSDP collectives)."""
+def collate(seqs, device, packed):
+    """Turn sequences (dicts of equal-length per-token lists) into a micro-batch of tensors plus "seg",
+    the attention mask. packed=True: one row (1, N), sequences told apart by segment ids 1, 2, ...
+    (flash-attn's varlen kernel does no work across them). packed=False: a right-padded (n, Lmax)
+    batch with a 0/1 mask — cheaper for SDPA, whose attention over one long packed row would cost
+    O(N²). An empty bin becomes a single zero token (it still joins the FSDP collectives)."""
     if not seqs:
         seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0]}]
-    out = {k: [x for s in seqs for x in s[k]] for k in seqs[0]}
-    out["seg"] = [k + 1 for k, s in enumerate(seqs) for _ in s["ids"]]
-    return {k: torch.tensor(v, device=device)[None] for k, v in out.items()}
+    if packed:
+        out = {k: [[x for s in seqs for x in s[k]]] for k in seqs[0]}
+        out["seg"] = [[k + 1 for k, s in enumerate(seqs) for _ in s["ids"]]]
+    else:
+        width = max(len(s["ids"]) for s in seqs)
+        out = {k: [s[k] + [0] * (width - len(s[k])) for s in seqs] for k in seqs[0]}
+        out["seg"] = [[1] * len(s["ids"]) + [0] * (width - len(s["ids"])) for s in seqs]
+    return {k: torch.tensor(v, device=device) for k, v in out.items()}

@@ -198,7 +198,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     at -c * A, so one huge ratio cannot dominate the step.
 
     logprobs, old_logprobs: (B, T) log-probs of the sampled tokens under the current / sampling policy.
-    advantages: (B,) one value per trajectory. mask: (B, T), 1 exactly on tokens the policy sampled;
+    advantages: (B,) one value per trajectory, or (B, T) already broadcast to the tokens (a packed
+    row holds several trajectories). mask: (B, T), 1 exactly on tokens the policy sampled;
     tool outputs, prompt and padding are 0 and get neither loss nor gradient (even if their logprobs
     are inf or nan).
     return_stats=True returns (loss, stats), stats holding detached 0-d tensors, means over this call's
@@ -210,8 +211,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError(f"logprobs, old_logprobs and mask must all be (B, T), got {tuple(logprobs.shape)}, "
                          f"{tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
-    if advantages.shape != (logprobs.size(0),):
-        raise ValueError(f"advantages must be (B,) = ({logprobs.size(0)},), got {tuple(advantages.shape)}")
+    if advantages.shape not in ((logprobs.size(0),), logprobs.shape):
+        raise ValueError(f"advantages must be (B,) = ({logprobs.size(0)},) or (B, T), got {tuple(advantages.shape)}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = mask.bool()
@@ -226,7 +227,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     # zero the log-ratio off the mask first, so garbage there cannot turn into nan gradients
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.detach().unsqueeze(1)  # (B, 1)
+    adv = advantages.detach()
+    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
     token_loss = -torch.minimum(surr, surr_clipped)  # (B, T)

@@ -137,7 +137,7 @@ class Engine:
         """Generate until `claim(n_free)` has no more requests and every row has finished.
         claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories."""
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
-        while True:
+        while rows or not exhausted:
             # 1. admit new requests into free rows, one prefill per distinct prompt
             if free and not exhausted:
                 reqs = claim(len(free))
@@ -149,6 +149,7 @@ class Engine:
                     self.resume(row)
             # 3. sample one token for every row that has logits, then one batched decode step
             ready = [r for r in rows.values() if r.logits is not None]
+            waiting = [f for r in rows.values() if r.calls for _, f in r.calls if f is not None]
             if ready:
                 for row, tok, lp in zip(ready, *self.sample(ready)):
                     self.step_row(row, tok, lp)
@@ -156,14 +157,10 @@ class Engine:
                                key=lambda r: r.slot)
                 if going:
                     self.decode(going)
-            else:
-                waiting = [f for r in rows.values() if r.calls for _, f in r.calls if f is not None]
-                if not waiting and exhausted:
-                    break
-                if waiting:  # nothing to decode: wait for the first tool answer
-                    t0 = time.perf_counter()
-                    concurrent.futures.wait(waiting, timeout=0.05, return_when="FIRST_COMPLETED")
-                    self.stats["tool_wait_s"] += time.perf_counter() - t0
+            elif waiting:  # nothing to decode: wait for the first tool answer
+                t0 = time.perf_counter()
+                concurrent.futures.wait(waiting, timeout=0.05, return_when="FIRST_COMPLETED")
+                self.stats["tool_wait_s"] += time.perf_counter() - t0
             # 4. free the rows that finished
             for row in [r for r in rows.values() if r.traj.finish]:
                 del rows[row.slot]

@@ -129,9 +129,11 @@ def test_budget_counts_tool_tokens_and_max_turns(tiny):
     _, tok, _ = tiny
     p = agent.render_prompt(tok, QUESTIONS[0])
     script = scripted(tok, 11, 0)
+    turn1 = script.index(tok.convert_tokens_to_ids("<|im_end|>")) + 1
+    # the last case: the tool response does not fit, so the row finishes while being resumed
     for budget, max_turns, want in ((len(script) + 40, 10, "stop"), (len(script) - 3, 10, "length"),
-                                    (len(script) + 40, 1, "max_turns")):
-        engine = Engine(Script({tuple(p): script}, len(tok)), tok, kv_capacity=400, max_len=400,
+                                    (len(script) + 40, 1, "max_turns"), (turn1 + 3, 10, "length")):
+        engine = Engine(Script({tuple(p): script}, len(tok)), tok, kv_capacity=2 * 400, max_len=400,
                         temperature=0.0, tools=SlowTools({}), max_turns=max_turns)
         (t,) = engine.run(iter_claim([Request(p)]), budget)
         assert t.finish == want and len(t.response_ids) <= budget
