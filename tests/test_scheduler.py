@@ -1,0 +1,75 @@
+"""Two CPU ranks (gloo), rank 1 slowed down: dynamic claiming from the shared queue splits the work
+unevenly, generates every request exactly once, and finishes sooner than the static split."""
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+import agent
+import data
+from model import load_model
+from rollout import Engine, Request
+from scheduler import generate_all
+
+N_REQUESTS, BUDGET, SLOW = 24, 12, 0.03
+
+
+def make_model(path):
+    tok = data.train_tokenizer([agent.prompt_text(f"What is {i} + {i}?") for i in range(20)])
+    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                   max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return tok
+
+
+def worker(rank, path, init_file, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = load_model(path)
+    if rank == 1:  # an engine on a slow (or busy) accelerator
+        fast = model.forward_cached
+
+        def slow(*args, **kwargs):
+            time.sleep(SLOW)
+            return fast(*args, **kwargs)
+        model.forward_cached = slow
+    engine = Engine(model, tok, kv_capacity=2 * 128, max_len=128, temperature=1.0, seed=1)
+    engine.stop_ids = set()  # always decode the full budget: equal work per request
+    reqs = [Request(agent.render_prompt(tok, f"What is {i} + {i}?"), key=(0, i, 0)) for i in range(N_REQUESTS)]
+    out = {}
+    for mode in ("static", "dynamic"):
+        dist.barrier()
+        t0 = time.perf_counter()
+        trajs, mine = generate_all(engine, reqs, BUDGET, mode)
+        dist.barrier()
+        out[mode] = (time.perf_counter() - t0, mine, [(t.key, t.response_ids) for t in trajs])
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_dynamic_claiming_balances_two_ranks():
+    with tempfile.TemporaryDirectory() as d:
+        make_model(d)
+        results = mp.Manager().dict()
+        mp.spawn(worker, args=(d, os.path.join(d, "init"), results), nprocs=2, join=True)
+        r0, r1 = results[0], results[1]
+    for mode in ("static", "dynamic"):
+        # every rank ends with all trajectories, each request generated exactly once
+        assert r0[mode][2] == r1[mode][2]
+        assert [k for k, _ in r0[mode][2]] == [(0, i, 0) for i in range(N_REQUESTS)]
+        assert r0[mode][1] + r1[mode][1] == N_REQUESTS
+        assert all(len(ids) == BUDGET for _, ids in r0[mode][2])
+    assert r0["static"][1] == r1["static"][1] == N_REQUESTS // 2
+    assert r0["dynamic"][1] > r1["dynamic"][1]  # the fast rank took more of the queue
+    # the slow rank alone needs (N/2 requests / 2 rows) × BUDGET steps × SLOW seconds in static mode
+    assert r0["dynamic"][0] < 0.8 * r0["static"][0]
+    # which rank generated a request does not change its tokens (per-request generators)
+    assert r0["dynamic"][2] == r0["static"][2]

@@ -1,0 +1,250 @@
+"""
+Agentic RL with GRPO-RoC: the rStar2-Agent recipe, one file, read top to bottom.
+
+CPU (tiny model):   python train_rl.py configs/tiny_rl.py
+64 GPUs, stage 1:   torchrun --nnodes 8 --nproc_per_node 8 train_rl.py configs/stage1.py
+resume a run:       add --resume=true (continues exactly from the latest out/<run>/step_*/)
+
+One step: take B prompts -> 2G multi-turn rollouts each (rollout.py engines, work balanced across
+ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> 0/1 reward (agent.py,
+math-verify) -> GRPO-RoC (grpo_roc.py): drop groups whose rewards are all equal, Resample-on-Correct
+2G -> G, group-normalised advantages -> token-balanced micro-batches -> recompute the "old" log-probs
+-> clipped token-mean policy loss -> AdamW -> new weights to the engines.
+
+How this deviates from textbook GRPO (all from the paper, §2.2):
+- Resample-on-Correct: positives are down-sampled with probability ∝ 1/(p_err + p_format), so the
+  update sees the cleanest correct trajectories; negatives are down-sampled uniformly.
+- groups whose 2G rewards are all equal carry no signal and are dropped before RoC.
+- no KL term and no entropy bonus; clip-higher (ε_low 0.2, ε_high 0.28); token-mean loss over all
+  model tokens of the step; tool-response tokens are masked out of the loss.
+- truncated trajectories are kept, with reward 0.
+
+Weights for generation: each rank keeps an unsharded inference copy of the policy (bf16 on GPU) next
+to its FSDP2 training shards; after every optimizer step each parameter is gathered with
+`full_tensor()` one at a time and copied into it (a 14B model: 29.6 GB bf16 per rank; see README).
+"""
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+import agent
+import grpo_roc
+from common import (Logger, checkpoint_dir, compute_cleanup, compute_init, latest_checkpoint,
+                    load_trainer_state, pack, collate, print0, save_checkpoint)
+from configurator import configure
+from data import read_jsonl
+from model import load_model, load_weights, shard_model, token_logprobs, use_flash
+from rollout import Engine, Request, ToolRunner
+from sandbox import SandboxPool
+from scheduler import generate_all
+
+# -----------------------------------------------------------------------------
+# defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
+model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
+data_path = "out/data/train.jsonl"  # JSONL with "question" and "answer"
+run_dir = "out/tiny-rl"
+resume = False  # continue from the latest checkpoint in run_dir
+optimizer_from = ""  # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
+steps = 60
+prompts_per_step = 8  # B (paper: 512)
+samples_per_prompt = 16  # 2G rollouts per prompt (paper: 32)
+keep_per_prompt = 8  # G kept by Resample-on-Correct (paper: 16)
+roc = True  # False: plain GRPO, sample keep_per_prompt and use them all
+roc_mode = "sample"  # "sample" (paper: p ∝ 1/penalty) or "deterministic" (released code)
+# rollout
+max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
+max_prompt_tokens = 128
+max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
+temperature = 1.0
+top_p = 1.0
+kv_capacity = 0  # tokens of KV cache per engine; 0 = enough rows for the whole step (CPU) / from free memory (GPU)
+scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
+tool_workers = 0  # sandbox workers per rank; 0 = number of cores
+tool_timeout = 4.0  # seconds per call (paper's service: 4 s)
+tool_memory = 1 << 30  # bytes per call
+tool_max_chars = 1024  # per tool response, head and tail kept
+max_calls_per_turn = 1
+# optimisation
+lr = 1e-6
+warmup_steps = 20  # linear warm-up, then constant
+weight_decay = 0.01
+grad_clip = 1.0
+eps_low = 0.2
+eps_high = 0.28
+dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
+mini_batches = 1  # optimizer steps per RL step (paper: 1)
+max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
+activation_checkpointing = False
+dtype = "float32"  # compute dtype: "bfloat16" on GPU
+# io
+save_every = 20
+seed = 0
+wandb_project = ""
+cfg = configure(globals())
+# -----------------------------------------------------------------------------
+
+rank, world, device = compute_init(seed)
+ptdtype = getattr(torch, dtype)
+packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+problems = read_jsonl(data_path, required=("question", "answer"))
+prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
+too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
+print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
+data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
+order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
+
+# the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank
+start = latest_checkpoint(run_dir) if resume else None
+init_path = start or model_path
+if dist.is_initialized():
+    model = load_model(init_path, device="meta")
+    shard_model(model, param_dtype=ptdtype if ptdtype != torch.float32 else None)
+    load_weights(model, init_path, device)
+else:
+    model = load_model(init_path, device=device, dtype=torch.float32)
+model.gradient_checkpointing = activation_checkpointing
+policy = load_model(init_path, device=device, dtype=ptdtype).eval()
+optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+step, cursor = 0, 0
+if start:
+    state = load_trainer_state(start, model, optimizer)
+    step, cursor = state["step"], state["cursor"]
+    print0(f"resumed from {start} at step {step}")
+elif optimizer_from:
+    load_trainer_state(optimizer_from, model, optimizer)
+    print0(f"optimizer state continued from {optimizer_from}")
+
+
+@torch.no_grad()
+def sync_policy():
+    """Hand the new weights to this rank's engine: gather each shard, one parameter at a time."""
+    for (name, p), q in zip(model.named_parameters(), policy.parameters()):
+        q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+
+
+def on_finish(traj):
+    # reward as each trajectory finishes, on the rank that generated it, overlapping generation
+    traj.meta["reward"] = agent.reward(traj.text, traj.meta["answer"])
+    traj.meta["answers"] = agent.count_answers(traj.text)
+
+
+def micro_batches(trajs, advs):
+    """This rank's token-balanced micro-batches; each a packed row of whole trajectories."""
+    seqs = []
+    for t, a in zip(trajs, advs):
+        seq = t.prompt_ids + t.response_ids
+        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": [a] * (len(seq) - 1),
+                     "mask": [0] * (len(t.prompt_ids) - 1) + t.mask})  # loss only on sampled tokens
+    bins = pack([len(s["ids"]) for s in seqs], max_tokens_per_micro, world)
+    return [collate([seqs[i] for i in b], device, packed) for b in bins[rank::world]]
+
+
+logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
+pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
+tools = ToolRunner(pool)
+n_rows = kv_capacity // (max_prompt_tokens + max_response_tokens) if kv_capacity else prompts_per_step * samples_per_prompt
+engine = Engine(policy, tokenizer, kv_capacity=n_rows * (max_prompt_tokens + max_response_tokens),
+                max_len=max_prompt_tokens + max_response_tokens, temperature=temperature, top_p=top_p,
+                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                tool_max_chars=tool_max_chars)
+n_sample = samples_per_prompt if roc else keep_per_prompt
+print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
+       f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
+
+while step < steps:
+    t0 = time.perf_counter()
+    # 1. rollouts: 2G per prompt, the work shared by all ranks' engines
+    sync_policy()
+    batch = [data[order[(cursor + i) % len(data)]] for i in range(prompts_per_step)]
+    cursor += prompts_per_step
+    requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"]})
+                for b, (i, p) in enumerate(batch) for s in range(n_sample)]
+    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, on_finish)
+    t_rollout = time.perf_counter() - t0
+
+    # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
+    groups = [trajs[g * n_sample:(g + 1) * n_sample] for g in range(prompts_per_step)]
+    rewards = torch.tensor([[t.meta["reward"] for t in g] for g in groups])  # (B, 2G)
+    keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    kept, kept_rewards = [], []
+    for g in keep_groups.tolist():
+        idx = list(range(n_sample))
+        if roc:
+            pen = torch.tensor([grpo_roc.penalty([c["status"] for c in t.tool_calls], t.meta["answers"], t.turns)
+                                for t in groups[g]])
+            idx = grpo_roc.resample_on_correct(rewards[g], pen, keep_per_prompt, gen, mode=roc_mode).tolist()
+        kept.append([groups[g][i] for i in idx])
+        kept_rewards.append(rewards[g, idx])
+    t_train = time.perf_counter()
+    stats = {}
+    if kept:
+        advs = grpo_roc.advantages(torch.stack(kept_rewards)).flatten().tolist()
+        kept = [t for g in kept for t in g]
+        # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
+        lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr_now
+        per_mini = math.ceil(len(kept) / mini_batches)
+        for mb in range(mini_batches):
+            part = list(range(mb * per_mini, min(len(kept), (mb + 1) * per_mini)))
+            micros = micro_batches([kept[i] for i in part], [advs[i] for i in part])
+            n_tokens = torch.tensor(float(sum(sum(t.mask) for t in (kept[i] for i in part))), device=device)
+            with torch.no_grad():  # the "old" policy: this step's weights before any update
+                old = [token_logprobs(model, mb_["ids"], mb_["tgt"], mb_["seg"], with_entropy=True) for mb_ in micros]
+            for mb_, (old_lp, ent) in zip(micros, old):
+                lp = token_logprobs(model, mb_["ids"], mb_["tgt"], mb_["seg"])
+                loss, st = grpo_roc.policy_loss(lp, old_lp, mb_["adv"], mb_["mask"], eps_low=eps_low,
+                                                eps_high=eps_high, dual_clip=dual_clip or None,
+                                                num_tokens=n_tokens, return_stats=True)
+                # FSDP averages gradients over ranks; the loss is already normalised by the global count
+                (loss * world).backward()
+                m = mb_["mask"].float()
+                for k, v in {**st, "entropy": (ent * m).sum() / n_tokens}.items():
+                    stats[k] = stats.get(k, 0.0) + float(v) * (m.sum() / n_tokens if k != "entropy" else 1)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    step += 1
+    t_train = time.perf_counter() - t_train
+
+    # 4. metrics: one line and one JSON row per step
+    if dist.is_initialized():
+        summed = torch.tensor([stats.get(k, 0.0) for k in ("clip_frac", "entropy")], device=device)
+        dist.all_reduce(summed)
+        stats["clip_frac"], stats["entropy"] = summed.tolist()
+    calls = [c for t in trajs for c in t.tool_calls]
+    pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.tool_calls]
+    err = lambda cs: sum(c["status"] in grpo_roc.TOOL_ERRORS for c in cs) / max(1, len(cs))
+    metrics = {
+        "reward": rewards.mean().item(),
+        "reward_kept": sum(t.meta["reward"] for t in kept) / max(1, len(kept)),
+        "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
+        "response_len": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        "clip_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
+        "turns": sum(t.turns for t in trajs) / len(trajs),
+        "tool_calls": len(calls) / len(trajs),
+        "tool_err": err(calls), "tool_err_pos": err(pos_calls),
+        "entropy": stats.get("entropy", 0.0), "clip_frac": stats.get("clip_frac", 0.0) / world,
+        "grad_norm": stats.get("grad_norm", 0.0), "lr": optimizer.param_groups[0]["lr"],
+        "t_rollout": t_rollout, "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        "tok_per_s": sum(len(t.response_ids) for t in trajs) / t_rollout, "generated_here": n_mine,
+    }
+    engine.stats["tool_wait_s"] = 0.0
+    logger.log(step, metrics)
+    print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
+           f"len {metrics['response_len']:.0f} | clip {metrics['clip_ratio']:.2f} | calls {metrics['tool_calls']:.2f} | "
+           f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
+           f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
+           f"dt {t_rollout:.1f}+{t_train:.1f}s")
+    if step % save_every == 0 or step == steps:
+        save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer, {"step": step, "cursor": cursor})
+
+tools.close()
+compute_cleanup()
