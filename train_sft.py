@@ -21,9 +21,9 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import agent
-from common import (Logger, compute_cleanup, compute_init, pack, packed_row, print0)
+from common import (Logger, compute_cleanup, compute_init, pack, collate, print0)
 from configurator import configure
-from model import load_model, load_weights, save_model, shard_model, token_logprobs
+from model import load_model, load_weights, save_model, shard_model, token_logprobs, use_flash
 
 # -----------------------------------------------------------------------------
 model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
@@ -47,6 +47,7 @@ cfg = configure(globals())
 # -----------------------------------------------------------------------------
 
 rank, world, device = compute_init(seed)
+packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 
 # data: every line is checked up front, errors name the file and line
@@ -97,7 +98,7 @@ for epoch in range(epochs):
         bins = pack([len(e["ids"]) for e in batch], max_tokens_per_micro, world)
         loss_sum = torch.zeros((), device=device)
         for bin_ in bins[rank::world]:
-            mb = packed_row([batch[i] for i in bin_], device)
+            mb = collate([batch[i] for i in bin_], device, packed)
             lp = token_logprobs(model, mb["ids"], mb["tgt"], mb["seg"])  # (1, N)
             loss = -(lp * mb["mask"]).sum() / max(1, n_tokens)
             (loss * world).backward()  # FSDP averages over ranks; we already divided by the global count
