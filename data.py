@@ -24,10 +24,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
-import time
-from types import SimpleNamespace
 
 import agent
 
@@ -186,20 +182,6 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
     return messages
 
 
-def run_subprocess(calls, timeout=5.0):
-    """A plain runner for prepare() from the command line: one fresh python per call, no isolation, no
-    trailing-expression value. Fine for our own generated SFT code; RL uses the sandbox pool."""
-    results = []
-    for code, stdin in calls:
-        t0 = time.time()
-        try:
-            p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=timeout)
-            status, out, err = ("ok" if p.returncode == 0 else "error"), p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            status, out, err = "timeout", (e.stdout or b"").decode(errors="replace"), ""
-        results.append(SimpleNamespace(status=status, stdout=out, stderr=err, value="", duration=time.time() - t0))
-    return results
-
 # -----------------------------------------------------------------------------
 # the tokenizer and the tiny model
 
@@ -278,5 +260,8 @@ if __name__ == "__main__":
     parser.add_argument("--n_heldout", type=int, default=256)
     parser.add_argument("--n_sft", type=int, default=2000)
     args = parser.parse_args()
-    prepare(args.out, args.seed, run_subprocess, data_dir=args.data_dir, n_train=args.n_train,
-            n_heldout=args.n_heldout, n_sft=args.n_sft)
+    from sandbox import SandboxPool
+    # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
+    with SandboxPool(timeout=4.0) as pool:
+        prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
+                n_heldout=args.n_heldout, n_sft=args.n_sft)

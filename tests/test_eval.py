@@ -206,8 +206,10 @@ def test_convert_command_line(tmp_path):
 def tiny(tmp_path_factory):
     """A random tiny Qwen3 + tokenizer and its held-out problems, made by data.py's own functions."""
     import data
+    from sandbox import SandboxPool
     d = tmp_path_factory.mktemp("tiny")
-    data.prepare(str(d / "base"), 0, data.run_subprocess, data_dir=str(d / "data"), n_train=8, n_heldout=3, n_sft=8)
+    with SandboxPool(workers=1) as pool:
+        data.prepare(str(d / "base"), 0, pool.map, data_dir=str(d / "data"), n_train=8, n_heldout=3, n_sft=8)
     return d
 
 
