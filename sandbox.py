@@ -749,7 +749,7 @@ def _child(code, tmp, timeout, cfg, vm, libc, fds):
         except BaseException as e:
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
             if isinstance(e, SyntaxError):
-                traceback.print_exception_only(type(e), e)
+                sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
             else:  # skip our own frame: the traceback starts in <code>
                 traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         for f in (sys.stdout, sys.stderr):
