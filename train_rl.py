@@ -91,7 +91,10 @@ rank, world, device = compute_init(seed)
 ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)
-problems = read_jsonl(data_path, required=("question", "answer"))
+try:
+    problems = read_jsonl(data_path, required=("question", "answer"))
+except ValueError as e:  # names the file and line
+    raise SystemExit(f"data error: {e}")
 prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
 print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")

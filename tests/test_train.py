@@ -1,0 +1,89 @@
+"""The entry scripts end to end on the tiny config: SFT -> RL (resume is exact; two gloo ranks match one
+process) -> eval, plus start-up errors that name the file and line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+from sandbox import SandboxPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args, ranks=1, check=True):
+    launch = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(launch + list(args), cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    if check:
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A tiny model SFT-trained hard on 12 problems; RL then trains on the same problems, so a few
+    hundred SFT tokens are enough for groups with both right and wrong answers at T=1."""
+    d = tmp_path_factory.mktemp("pipeline")
+    with SandboxPool(workers=1) as pool:
+        data.prepare(str(d / "base"), 0, pool.map, data_dir=str(d / "data"), n_train=8, n_heldout=4, n_sft=12,
+                     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    with open(d / "data" / "sft.jsonl") as f, open(d / "data" / "rl.jsonl", "w") as g:
+        for line in f:
+            row = json.loads(line)
+            g.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
+    run("train_sft.py", "configs/tiny_sft.py", f"--model_path={d}/base", f"--data_path={d}/data/sft.jsonl",
+        f"--out_dir={d}/sft", "--epochs=60", "--batch_size=12", "--lr=1e-2", "--log_every=1000")
+    return d
+
+
+def rl(d, run_dir, *extra, ranks=1):
+    return run("train_rl.py", "configs/tiny_rl.py", f"--model_path={d}/sft", f"--data_path={d}/data/rl.jsonl",
+               f"--run_dir={run_dir}", "--prompts_per_step=4", "--samples_per_prompt=8", "--keep_per_prompt=4",
+               "--max_response_tokens=96", "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1", "--save_every=2",
+               *extra, ranks=ranks)
+
+
+def weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
+    rl(sft, tmp_path / "a", "--steps=4")
+    rl(sft, tmp_path / "b", "--steps=2")
+    out = rl(sft, tmp_path / "b", "--steps=4", "--resume=true")
+    assert "resumed from" in out.stdout
+    metrics = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["grad_norm"] > 0 for m in metrics) >= 2  # real updates happened, or this test proves nothing
+    a, b = weights(tmp_path / "a" / "step_000004"), weights(tmp_path / "b" / "step_000004")
+    start = weights(sft / "sft")
+    assert any(not torch.equal(a[k], start[k]) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # 4 straight == 2 + resume + 2, bit for bit
+    # two gloo ranks (FSDP2 + dynamic rollout claiming) end where one process ends
+    rl(sft, tmp_path / "c", "--steps=2", ranks=2)
+    one, two = weights(tmp_path / "a" / "step_000002"), weights(tmp_path / "c" / "step_000002")
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
+
+
+def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
+    out = run("eval.py", "configs/tiny_eval.py", f"--model={sft}/sft", f"--data={sft}/data/rl.jsonl",
+              f"--out_dir={tmp_path}/ev", "--samples=2", "--max_response_tokens=96", "--tool_workers=1")
+    summary = json.load(open(tmp_path / "ev" / "summary.json"))
+    assert summary["avg@k"] > 0  # the SFT model solves some of the problems it was trained on
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": "x", "answer": 2}\n')
+    out = run("train_rl.py", "configs/tiny_rl.py", f"--model_path={sft}/sft", f"--data_path={bad}",
+            f"--run_dir={tmp_path}/x", check=False)
+    assert out.returncode != 0 and f"{bad}:2" in out.stderr
+    sft_bad = tmp_path / "sft_bad.jsonl"
+    sft_bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
+    out = run("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft", f"--data_path={sft_bad}",
+              f"--out_dir={tmp_path}/y", check=False)
+    assert out.returncode != 0 and f"{sft_bad}:" in out.stderr
