@@ -1,7 +1,8 @@
 """
 Datasets and the tiny task: integer arithmetic that a tiny model can only get right by calling the tool.
 
-The tiny task is "What is 48213 * 907 - 66?": 1-6 digit integers joined by 1-3 of + - *, integer answer.
+The tiny task is "What is 482 * 907 - 66?": integers of up to max_digits digits joined by up to max_ops
+of + - *, integer answer (the demo: 3 digits, 2 operators; make_problems goes up to 6 and 3).
 A 1-3M parameter model cannot multiply six-digit numbers in its head, but it can learn to copy the
 numbers into print(...) and copy the printed result into \\boxed{}: exactly the skill rStar2-Agent's
 RL sharpens, at a size that trains on a laptop CPU.
@@ -11,8 +12,9 @@ This module makes, offline and from a seed:
 - SFT conversations in the exact rStar2-Agent protocol (agent.py), whose tool messages are the *real*
   outputs of running the code: with probability error_rate the first call has a bug and the model sees
   the real traceback, then fixes it;
-- a byte-level BPE tokenizer trained on that text: digits stay single tokens (the model copies numbers
-  digit by digit) while merges cross whitespace elsewhere, so the long fixed system prompt and tool
+- a byte-level BPE tokenizer trained on that text: numbers split into chunks of up to 3 digits, each
+  one token (copying a number is then a short, rarely ambiguous run of tokens; with single digits a
+  1M model did not learn to copy within the demo's budget), while merges cross whitespace elsewhere, so the long fixed system prompt and tool
   schema shrink to a handful of tokens; the protocol tags are added tokens;
 - a random-init tiny Qwen3 saved as an HF directory (safetensors + tokenizer + our chat template).
 
@@ -186,28 +188,33 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
 # the tokenizer and the tiny model
 
 def train_tokenizer(texts, vocab_size=4096):
-    """A byte-level BPE (PreTrainedTokenizerFast) trained on texts: single-digit tokens, merges across
-    whitespace elsewhere, chat tokens special, protocol tags added tokens, our chat template attached."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE (PreTrainedTokenizerFast) trained on texts: numbers split into chunks of up to
+    three digits, left to right (as Llama 3's and GPT-4's tokenizers), every such chunk one token;
+    merges cross whitespace elsewhere; chat tokens special, protocol tags added tokens, our chat
+    template attached."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    # no regex split: merges may cross spaces, so a fixed sentence can become one token; digits stay single
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+    # no regex split for text: merges may cross spaces, so a fixed sentence can become one token.
+    # numbers: 3-digit chunks make copying a number a short, rarely ambiguous run of tokens (with
+    # single digits, repeated digits make "which one comes next" ambiguous for a tiny model)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAG_TOKENS), special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     # training does not split on added tokens, encoding does: cut them out here so no merge spans a tag
     split = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS + TAG_TOKENS))
-    tok.train_from_iterator((piece for text in texts for piece in split.split(text) if piece), trainer)
+    chunks = [" ".join(f"{i:0{n}d}" for i in range(10 ** n)) for n in (1, 2, 3)]  # every chunk gets its token
+    tok.train_from_iterator(chunks + [piece for text in texts for piece in split.split(text) if piece], trainer)
     # tags are added but not special, so decode(skip_special_tokens=True) keeps <answer> etc. (as Qwen)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
-def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, vocab_size=4096,
+def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, max_digits=3, max_ops=2, vocab_size=4096,
             hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
             max_position_embeddings=1024, rope_theta=10000.0):
     """
@@ -220,9 +227,9 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 
     data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
     # 1. problems: held-out disjoint from train and from the SFT problems
-    train = make_problems(n_train, seed)
-    heldout = make_problems(n_heldout, seed + 1, exclude={p["question"] for p in train})
-    sft_problems = make_problems(n_sft, seed + 2, exclude={p["question"] for p in heldout})
+    train = make_problems(n_train, seed, max_digits, max_ops)
+    heldout = make_problems(n_heldout, seed + 1, max_digits, max_ops, exclude={p["question"] for p in train})
+    sft_problems = make_problems(n_sft, seed + 2, max_digits, max_ops, exclude={p["question"] for p in heldout})
     # 2. SFT conversations with the real outputs of the code
     rng = random.Random(seed)
     sft = [dict(p, messages=sft_conversation(p, rng, run)) for p in sft_problems]
@@ -259,9 +266,13 @@ if __name__ == "__main__":
     parser.add_argument("--n_train", type=int, default=20000)
     parser.add_argument("--n_heldout", type=int, default=256)
     parser.add_argument("--n_sft", type=int, default=2000)
+    # 3-digit numbers, 2 operators: beyond what 1M parameters compute in their head, and short enough
+    # that copying them into the code and the answer is learned within the CPU demo's SFT budget
+    parser.add_argument("--max_digits", type=int, default=3)
+    parser.add_argument("--max_ops", type=int, default=2)
     args = parser.parse_args()
     from sandbox import SandboxPool
     # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
     with SandboxPool(timeout=4.0) as pool:
         prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
-                n_heldout=args.n_heldout, n_sft=args.n_sft)
+                n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops)

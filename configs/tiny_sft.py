@@ -3,10 +3,11 @@
 model_path = "out/tiny-base"
 data_path = "out/data/sft.jsonl"
 out_dir = "out/tiny-sft"
-epochs = 6
+epochs = 6           # 750 steps: copying numbers into code and answers emerges after ~300
 lr = 3e-3            # a tiny model wants a large LR; the 14B recipe uses 5e-6
-batch_size = 32
+lr_min_ratio = 0.1
+batch_size = 16
 max_tokens_per_micro = 4096
 max_seq_len = 512
 weight_decay = 0.01
-log_every = 25
+log_every = 50

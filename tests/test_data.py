@@ -112,8 +112,10 @@ def test_tokenizer(prepared):
     for text in ["What is 123456 * 7?", "print('héllo √ 世界')\n\tx = {1: [2]}", "<reason>a</reason>\n<answer>\\boxed{-5}</answer>",
                  "Traceback (most recent call last):\n  NameError: name 'prnt' is not defined", "   spaces   \n\n"]:
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
-    # digits are single tokens, tags one token each and not special (skip_special_tokens keeps them)
-    assert tok.convert_ids_to_tokens(tok.encode("90817", add_special_tokens=False)) == list("90817")
+    # numbers are chunks of up to 3 digits from the left, every chunk one token; tags one token each
+    # and not special (skip_special_tokens keeps them)
+    assert tok.convert_ids_to_tokens(tok.encode("90817", add_special_tokens=False)) == ["908", "17"]
+    assert all(len(tok.encode(f"{i:0{n}d}", add_special_tokens=False)) == 1 for n in (1, 2, 3) for i in range(10 ** n))
     for t in data.TAG_TOKENS + data.SPECIAL_TOKENS:
         assert len(tok.encode(t, add_special_tokens=False)) == 1, t
     assert tok.decode(tok.encode("<|im_start|><answer>1</answer>", add_special_tokens=False), skip_special_tokens=True) == "<answer>1</answer>"
