@@ -268,7 +268,7 @@ if __name__ == "__main__":
     from configurator import configure
     from data import read_jsonl
     from model import load_model
-    from rollout import Engine, ToolRunner
+    from rollout import Engine, kv_rows, ToolRunner
     from sandbox import SandboxPool
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
@@ -318,16 +318,7 @@ if __name__ == "__main__":
                  f"(first: problem {too_long[0]} of {data}); raise --max_prompt_tokens")
     policy = load_model(model, device=device, dtype=getattr(torch, dtype)).eval()
     max_len = max_prompt_tokens + max_response_tokens
-    n_requests = len(problems) * samples
-    if kv_capacity:
-        rows = kv_capacity // max_len
-    elif device.type == "cuda":  # what is left after the weights, K and V for every layer
-        c = policy.cfg
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
-        rows = int(0.9 * torch.cuda.mem_get_info(device)[0]) // (per_token * max_len)
-    else:
-        rows = 256
-    rows = min(rows, -(-n_requests // world))  # more rows than this rank can ever fill only waste memory
+    rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
     print0(f"eval: {len(problems)} problems × {samples} samples from {data} | model {model} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
     pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)

@@ -286,6 +286,22 @@ class Engine:
         self.log("decode", rows[0], rows=[r.req.key for r in rows])
 
 
+def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
+    """How many rows of max_len tokens an engine's KV cache gets: kv_capacity tokens when given, else
+    `fraction` of the accelerator's free memory right now (CPU: 256 rows); never more than `limit`
+    (the rows a rank can ever fill: more only waste memory)."""
+    p = next(model.parameters())
+    if kv_capacity:
+        rows = kv_capacity // max_len
+    elif p.is_cuda:  # K and V for every layer, in the model's dtype
+        c = model.cfg
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * p.element_size()
+        rows = int(fraction * torch.cuda.mem_get_info(p.device)[0]) // (per_token * max_len)
+    else:
+        rows = 256
+    return max(1, min(rows, limit) if limit else rows)
+
+
 def iter_claim(reqs):
     """A claim function over a local list of requests (single process)."""
     reqs = list(reqs)

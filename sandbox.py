@@ -346,16 +346,17 @@ def _wrapper(mode, root, memory):
             ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
                   "--cap-drop", "ALL"] + [a for c in ROOT_CAPS for a in ("--cap-add", c)]
             for above, paths in _hidden_paths().items():  # e.g. a Python or this repo under /root (700)
-                between = set()  # directories from `above` down to each bind: --dir makes them 755
-                for p in paths:
-                    while (p := os.path.dirname(p)) != above:
-                        between.add(p)
+                between = {d for p in paths for d in _parents(p, above)}  # --dir makes them 755
                 ns += ["--tmpfs", above] + [a for d in sorted(between) for a in ("--dir", d)]
                 ns += [a for p in paths for a in ("--ro-bind", p, p)] + ["--remount-ro", above]
         else:
             ns = ["--unshare-all"]
+        tmp = _under_tmp()
+        between = sorted({d for p in tmp for d in _parents(p, "/tmp")})
+        binds = [a for d in between for a in ("--dir", d)] + [a for p in tmp for a in ("--ro-bind", p, p)]
         return ["bwrap", "--ro-bind", "/", "/", *ns, "--new-session", "--die-with-parent", "--as-pid-1",
-                "--proc", "/proc", "--dev", "/dev", "--size", str(max(memory, 64 << 20)), "--tmpfs", "/tmp", "--"]
+                "--proc", "/proc", "--dev", "/dev", "--size", str(max(memory, 64 << 20)), "--tmpfs", "/tmp",
+                *binds, "--"]
     if mode == "unshare":  # the worker itself then makes / read-only and mounts a /tmp
         user = [] if root else ["--user", "--map-root-user"]
         return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
@@ -363,14 +364,34 @@ def _wrapper(mode, root, memory):
     return []
 
 
+def _needed_paths():
+    """Python's directories and this file: what a worker and its calls must be able to read."""
+    import site
+    return {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
+                                          *site.getsitepackages(), __file__) if os.path.exists(p)}
+
+
+def _under_tmp():
+    """Needed directories under /tmp (a checkout or venv there): the private /tmp covers the host's, so
+    they are bound back read-only."""
+    tmp = sorted({p if os.path.isdir(p) else os.path.dirname(p) for p in _needed_paths() if p.startswith("/tmp/")})
+    return [p for p in tmp if not any(p.startswith(q + "/") for q in tmp)]
+
+
+def _parents(path, above):
+    """The directories strictly between `above` and `path`."""
+    out = []
+    while (path := os.path.dirname(path)) != above and path != "/":
+        out.append(path)
+    return out
+
+
 def _hidden_paths():
     """What a worker and its calls need (Python's directories, this file) but a non-root uid cannot reach,
     keyed by the topmost ancestor that blocks it, e.g. {"/root": ["/root/.pyenv/versions/3.11.7"]} for a
     pyenv under /root (mode 700). The sandbox covers such an ancestor with an empty tmpfs and binds only
     these paths back, so the rest of it (keys, tokens) stays out of sight."""
-    import site
-    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
-                                           *site.getsitepackages(), __file__) if os.path.exists(p)}
+    paths = _needed_paths()
     hidden = {}
     for p in sorted(paths):
         parts = p.split("/")
@@ -514,7 +535,13 @@ def _mount_like_bwrap(libc, cfg):
     MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE, MS_REC = 2, 4, 4096, 8192, 16384
     os.umask(0o022)  # directories made below stay traversable for the call uid
     read_only("/")
+    keep = [(p, os.open(p, os.O_PATH)) for p in _under_tmp()]  # still reachable once /tmp is covered
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={max(cfg['memory'], 64 << 20)},mode=1777")
+    for p, fd in keep:
+        os.makedirs(p, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+        os.close(fd)
+        read_only(p)
     for above, paths in cfg["hidden"].items():
         stages = []
         for p in paths:  # park a bind of each path in /tmp, cover the ancestor, move the binds back

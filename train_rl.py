@@ -38,7 +38,7 @@ from common import (Logger, checkpoint_dir, compute_cleanup, compute_init, lates
 from configurator import configure
 from data import read_jsonl
 from model import load_model, load_weights, shard_model, token_logprobs, use_flash
-from rollout import Engine, Request, ToolRunner
+from rollout import Engine, Request, ToolRunner, kv_rows
 from sandbox import SandboxPool
 from scheduler import generate_all
 
@@ -61,7 +61,8 @@ max_prompt_tokens = 128
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
 temperature = 1.0
 top_p = 1.0
-kv_capacity = 0  # tokens of KV cache per engine; 0 = enough rows for the whole step (CPU) / from free memory (GPU)
+kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
+kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
 tool_workers = 0  # sandbox workers per rank; 0 = number of cores
 tool_timeout = 4.0  # seconds per call (paper's service: 4 s)
@@ -150,9 +151,9 @@ def micro_batches(trajs, advs):
 logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
 pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
 tools = ToolRunner(pool)
-n_rows = kv_capacity // (max_prompt_tokens + max_response_tokens) if kv_capacity else prompts_per_step * samples_per_prompt
-engine = Engine(policy, tokenizer, kv_capacity=n_rows * (max_prompt_tokens + max_response_tokens),
-                max_len=max_prompt_tokens + max_response_tokens, temperature=temperature, top_p=top_p,
+max_len = max_prompt_tokens + max_response_tokens
+n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
+engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                 tool_max_chars=tool_max_chars)
 n_sample = samples_per_prompt if roc else keep_per_prompt
