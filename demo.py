@@ -11,10 +11,11 @@ as a user would type it, and prints them:
   6. out/demo/curves.png + out/demo/summary.md
 
 `python demo.py --compare` also runs plain GRPO with the same seed and steps and plots both (the
-paper's Fig. 4 on a laptop: tool errors inside correct trajectories).
+paper's Fig. 4 on a laptop: tool errors inside correct trajectories). A stage whose output exists is
+skipped, so `--compare` after a finished run only trains and evaluates plain GRPO; `rm -rf out` for a
+fresh run.
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -33,26 +34,31 @@ os.makedirs(out, exist_ok=True)
 t_start = time.time()
 
 
-def sh(*args):
-    cmd = [sys.executable, *args]
+def sh(done, *args):
+    """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run)."""
+    if os.path.exists(done):
+        print(f"\n(skipping `python {' '.join(args)}`: {done} exists)", flush=True)
+        return
     print("\n$ python " + " ".join(args), flush=True)
-    subprocess.run(cmd, check=True)
+    subprocess.run([sys.executable, *args], check=True)
 
 
 def evaluate(model, name):
-    sh("eval.py", "configs/tiny_eval.py", f"--model={model}", f"--out_dir={out}/eval_{name}", f"--seed={seed}")
+    sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model={model}",
+       f"--out_dir={out}/eval_{name}", f"--seed={seed}")
     with open(f"{out}/eval_{name}/summary.json") as f:
         return json.load(f)
 
 
-sh("data.py", "prepare", "--out=out/tiny-base", f"--seed={seed}")
-sh("train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
+sh("out/data/sft.jsonl", "data.py", "prepare", "--out=out/tiny-base", "--n_sft=5000", f"--seed={seed}")
+sh("out/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
 before = evaluate("out/tiny-sft", "sft")
 runs = {"GRPO-RoC": "out/tiny-rl"}
-sh("train_rl.py", "configs/tiny_rl.py", f"--seed={seed}")
-if compare:
+if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
     runs["GRPO"] = "out/tiny-grpo"
-    sh("train_rl.py", "configs/tiny_rl.py", "--roc=false", "--run_dir=out/tiny-grpo", f"--seed={seed}")
+for name, d in runs.items():
+    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--roc={name == 'GRPO-RoC'}",
+       f"--seed={seed}")
 steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
 

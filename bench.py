@@ -1,0 +1,425 @@
+"""
+Side-by-side speed benchmarks of our rollout engine (rollout.Engine + model.forward_cached) against
+transformers' `generate`, on the same random model in the same process. Benchmarks, not timed tests:
+they print tables with both sides and the ratio; nothing asserts a speed.
+
+    python bench.py            # a, b and c below (~3 minutes on one thread of a 2-core CPU)
+    python bench.py a          # or b, c, p (p: profile, not part of the default run)
+    python bench.py --threads=2 --reps=5
+
+The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
+MLP 768, untied lm_head scaled x8 so greedy argmax is not decided by near-ties), vocabulary = the tiny
+tokenizer (data.train_tokenizer on rendered prompts), saved to a temp dir and loaded twice: with
+model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers). fp32, CPU.
+
+(a) single-turn greedy: B distinct rendered prompts, N new tokens, no EOS stop on either side, so both
+    do identical work. transformers: one `generate` call on the left-padded batch. Reports tokens/s,
+    the ratio, and the share of the compute bound: FLOPs per token (2 x non-embedding params + 2 x hidden
+    x vocab + attention at the mean context) x tokens/s / measured fp32 matmul FLOP/s. The matmul rate
+    is measured two ways: "mix" = exactly the matmuls of one decode step at batch B (the 28 projections
+    and the lm_head, as F.linear, M = B rows), timed interleaved with the runs so it sees the same load;
+    that is the bound a decode step can reach on this CPU. "square" = one 2048^3 matmul, the machine's
+    best fp32 rate. The "+prefill" column also counts the prompt tokens' FLOPs as useful work; "steps"
+    is the decode steps alone (a run of 1 new token is timed too: it is the prefill).
+(b) multi-turn with two tool calls per sample: 3 assistant turns of TURN_LEN tokens with 2 fixed tool
+    responses in between. The real model computes every token; only the turn boundaries are forced:
+    the last tokens of turns 1-2 are forced to a parseable <tool_call> block + <|im_end|>, the last token
+    of turn 3 to <|im_end|>, and before that the turn-ending / tool-call tokens are masked out (argmax
+    of the real logits otherwise). Ours runs through Engine.run, the thing we ship: the forcing is a
+    thin wrapper around model.forward_cached, the tools a stub whose futures are already done, so the
+    engine parses the calls, parks and resumes rows and prefills each tool response into the kept KV.
+    transformers: the natural loop, one `generate` per turn on the whole left-padded history
+    (re-prefill), with the same forcing as a logits processor. Both must produce identical trajectories.
+(c) the scheduler simulator's table (static vs dynamic at 64-engine scale), run as a subprocess with
+    --efficiency = the share of the compute bound our engine reached in (a) (see main for why).
+(p) where our engine spends its time: the split of one generate() into prefill / decode / sampling,
+    and torch-profiler top ops inside the decode steps.
+
+Every timing is interleaved (ours, transformers, matmul mix, repeat) and repeated at least --reps times,
+and more while a median still moves by more than 3%; medians are reported, with the load average
+(the machine is shared: other jobs slow both sides alike, the ratios are the numbers to read).
+"""
+import argparse
+import collections
+import concurrent.futures
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import agent
+import data
+from model import load_model
+from rollout import Engine, Request, iter_claim
+
+N_NEW = 128  # (a) new tokens per row
+BATCHES = (32, 64)  # (a) batch sizes
+MT_BATCH = 32  # (b) samples
+TURN_LEN = 32  # (b) tokens per assistant turn, the forced end included
+CODE, STDOUT = "print(48213 * 907 - 66)", "43729125\n"  # (b) every tool call and its fixed answer
+CALL_TEXT = ('</reason>\n<tool_call>\n{"name": "%s", "arguments": {"code": "%s", "input": ""}}\n</tool_call>'
+             % (agent.TOOL_NAME, CODE))
+RESULT = types.SimpleNamespace(status="ok", stdout=STDOUT, stderr="", value="", duration=0.0)
+
+
+def load():
+    return os.getloadavg()[0]
+
+
+def medians(fns, reps, tol=0.03):
+    """Time each fn in turn (interleaved, so a change of load hits all alike), at least reps rounds and
+    then until no median moves by more than tol (at most 3 x reps rounds). -> (median seconds, rounds)."""
+    times, prev = [[] for _ in fns], None
+    while True:
+        for t, fn in zip(times, fns):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        med = [statistics.median(t) for t in times]
+        n = len(times[0])
+        settled = prev is not None and all(abs(m - p) <= tol * p for m, p in zip(med, prev))
+        if n >= 3 * reps or (n >= reps and settled):
+            return med, n
+        prev = med
+
+
+def left_pad(seqs, pad):
+    """token-id lists -> ids (B, L) left-padded, attention mask (B, L): generate's natural batch"""
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), pad)
+    mask = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s)
+        mask[i, L - len(s):] = 1
+    return ids, mask
+
+
+def build_models(path, n_prompts):
+    """the tokenizer, the random Qwen3 saved to path, loaded by us and by transformers, and prompts"""
+    problems = data.make_problems(n_prompts, seed=0)
+    texts = [agent.prompt_text(p["question"]) + CALL_TEXT + agent.END + agent.tool_suffix_text([STDOUT.strip()])
+             for p in problems]
+    tok = data.train_tokenizer(texts)
+    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, head_dim=32, intermediate_size=768,
+                                   max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None,
+                                   eos_token_id=None, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)  # logits std ~2.5: greedy outputs do not flip on rounding differences
+    hf.save_pretrained(path)
+    tok.save_pretrained(path)
+    ours = load_model(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    return ours, hf, tok, [agent.render_prompt(tok, p["question"]) for p in problems]
+
+
+def flops_per_token(model, ctx):
+    """2 x non-embedding params + 2 x hidden x vocab (lm_head) + attention (q.k and p.v) over ctx keys"""
+    c = model.cfg
+    body = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    attention = 2 * 2 * c.num_hidden_layers * ctx * c.num_attention_heads * c.head_dim
+    return 2 * body + 2 * c.hidden_size * c.vocab_size + attention
+
+
+def step_matmuls(model, M, repeat=10):
+    """(fn, flops): fn runs the matmuls of one decode step at batch M (every nn.Linear as F.linear), repeat times"""
+    ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(M, w.shape[1]) for w in ws]
+
+    def fn():
+        for _ in range(repeat):
+            for x, w in zip(xs, ws):
+                F.linear(x, w)
+    return fn, repeat * sum(2 * M * w.numel() for w in ws)
+
+
+def square_rate(n=2048):
+    """fp32 FLOP/s of an n x n x n matmul (median of 3)"""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    (t,), _ = medians([lambda: a @ b], 3)
+    return 2 * n ** 3 / t
+
+
+# -----------------------------------------------------------------------------
+# (a) single-turn greedy throughput
+
+def single_turn(ours, hf, tok, prompts, B, N, reps):
+    P = prompts[:B]
+    L = max(map(len, P))
+    engine = Engine(ours, tok, kv_capacity=B * (L + N + 1), max_len=L + N + 1)
+    engine.stop_ids = set()  # no EOS stop: every row generates exactly N tokens, as transformers below
+    ids, mask = left_pad(P, tok.pad_token_id)
+
+    def run_ours(n=N):
+        return engine.generate(P, n)  # greedy
+
+    @torch.no_grad()
+    def run_hf(n=N):
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=tok.pad_token_id)
+        return out[:, L:].tolist()
+
+    a, b = run_ours(), run_hf()  # warm-up, and the check that both do the same thing
+    assert all(len(x) == N for x in a + b), "a side stopped early"
+    same = sum(x == y for x, y in zip(a, b))
+    mm, mm_flops = step_matmuls(ours, B)
+    # runs of 1 new token = the prefill alone; (N-token run - 1-token run) / (N - 1) = one decode step
+    (t_ours, t_hf, t_mm, p_ours, p_hf), n = medians([run_ours, run_hf, mm, lambda: run_ours(1), lambda: run_hf(1)],
+                                                    reps)
+    # useful work: B x N generated tokens at the mean context (+ the prompts' prefill for the last column)
+    ctx = statistics.mean(map(len, P)) + (N + 1) / 2
+    decode = B * N * flops_per_token(ours, ctx)
+    head = 2 * ours.cfg.hidden_size * ours.cfg.vocab_size  # the lm_head runs on a prompt's last token only
+    prefill = sum(len(p) * (flops_per_token(ours, (len(p) + 1) / 2) - head) + head for p in P)
+    return dict(B=B, same=same, rounds=n, t_ours=t_ours, t_hf=t_hf, p_ours=p_ours, p_hf=p_hf, mix=mm_flops / t_mm,
+                decode=decode, prefill=prefill, plen=[len(p) for p in P], load=load())
+
+
+def print_single_turn(res, square):
+    print(f"{'batch':>5} {'side':<13} {'s/run':>7} {'tok/s':>6} {'prefill s':>9} {'ms/step':>7} {'% mix':>6} "
+          f"{'% square':>8} {'% mix+prefill':>13} {'% mix steps':>11}")
+    for r in res:
+        for side, t, p in (("ours", r["t_ours"], r["p_ours"]), ("transformers", r["t_hf"], r["p_hf"])):
+            step = (t - p) / (N_NEW - 1)
+            print(f"{r['B']:>5} {side:<13} {t:>7.3f} {r['B'] * N_NEW / t:>6.0f} {p:>9.3f} {1e3 * step:>7.2f} "
+                  f"{100 * r['decode'] / t / r['mix']:>6.1f} {100 * r['decode'] / t / square:>8.1f} "
+                  f"{100 * (r['decode'] + r['prefill']) / t / r['mix']:>13.1f} "
+                  f"{100 * r['decode'] / N_NEW / step / r['mix']:>11.1f}")
+        print(f"{r['B']:>5} {'ours / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_ours']):>7} | same tokens "
+              f"{r['same']}/{r['B']} rows | prompts {min(r['plen'])}-{max(r['plen'])} tokens | mix "
+              f"{r['mix'] / 1e9:.1f} GFLOP/s | {r['rounds']} rounds | load {r['load']:.2f}")
+
+
+# -----------------------------------------------------------------------------
+# (b) multi-turn: two tool calls per sample
+
+def forcing(tok, turn_len):
+    """force_(scores, turns, ks), in place on scores (n, V) whose row b is at token ks[b] of assistant turn
+    turns[b] (0, 1, 2): a turn's last tokens are forced (a tool call + <|im_end|>, or just <|im_end|> in
+    the last turn); before them, the tokens that would end the turn or open a call are masked out. The
+    model's own argmax decides everything else."""
+    end = tok.convert_tokens_to_ids(agent.END)
+    call = tok.encode(CALL_TEXT, add_special_tokens=False) + [end]
+    tails = [call, call, [end]]
+    if len(call) >= turn_len:
+        raise ValueError(f"turn_len {turn_len} must exceed the forced tool call ({len(call)} tokens)")
+    banned = torch.tensor(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>", "<|im_start|>",
+                                                     "<tool_call>", "</tool_call>"]))
+
+    def forced_token(turn, k):  # -1: free
+        j = k - (turn_len - len(tails[turn]))
+        return tails[turn][j] if j >= 0 else -1
+
+    def force_(scores, turns, ks):
+        want = torch.tensor([forced_token(t, k) for t, k in zip(turns, ks)])  # (n,)
+        free, forced = (want < 0).nonzero()[:, 0], (want >= 0).nonzero()[:, 0]
+        scores[free[:, None], banned] = float("-inf")
+        scores[forced] = float("-inf")
+        scores[forced, want[forced]] = 0.0
+        return scores
+    return force_
+
+
+class Forced(torch.nn.Module):
+    """Our model with forced turn boundaries; to the engine it is just a model. Each row's next token is
+    token k of turn t: a prefill from an empty row starts turn 0, every later prefill (a tool response
+    resumed into the row) starts the next turn, every decode step is the next token of the turn."""
+
+    def __init__(self, model, force_):
+        super().__init__()
+        self.model, self.cfg, self.force_, self.at = model, model.cfg, force_, {}  # at: row -> [turn, k]
+
+    def forward_cached(self, input_ids, cache, rows, last_only=False):
+        slots = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
+        for r in slots:
+            if cache.lengths[r] == 0:
+                self.at[r] = [0, 0]
+            elif input_ids.shape[1] > 1:
+                self.at[r] = [self.at[r][0] + 1, 0]
+            else:
+                self.at[r][1] += 1
+        logits = self.model.forward_cached(input_ids, cache, rows, last_only)  # (B, T, V)
+        self.force_(logits[:, -1], [self.at[r][0] for r in slots], [self.at[r][1] for r in slots])
+        return logits
+
+
+def multi_turn(ours, hf, tok, prompts, B, turn_len, reps):
+    P = prompts[:B]
+    force_ = forcing(tok, turn_len)
+    suffix = agent.tool_suffix_ids(tok, [agent.tool_response_text(RESULT)])  # what the engine appends
+    done = concurrent.futures.Future()
+    done.set_result(RESULT)
+    tools = types.SimpleNamespace(submit=lambda code, stdin: done)  # answers at once: we time the model side
+    budget = 3 * turn_len + 2 * len(suffix) + 1
+    max_len = max(map(len, P)) + budget + 1
+    engine = Engine(Forced(ours, force_), tok, kv_capacity=B * max_len, max_len=max_len, temperature=0.0,
+                    tools=tools)
+
+    def run_ours():
+        engine.stats["prefill_tokens"] = 0
+        trajs = sorted(engine.run(iter_claim([Request(p, key=(0, i, 0)) for i, p in enumerate(P)]), budget),
+                       key=lambda t: t.key)
+        bad = [t.key for t in trajs if (t.finish, t.turns, len(t.tool_calls)) != ("stop", 3, 2)]
+        if bad:
+            raise RuntimeError(f"trajectories {bad[:3]} did not run 3 turns with 2 tool calls")
+        return [t.prompt_ids + t.response_ids for t in trajs], engine.stats["prefill_tokens"]
+
+    def processor(turn, start):  # token k of one generate call is token k of the turn
+        return lambda input_ids, scores: force_(scores, [turn] * len(scores),
+                                                [input_ids.shape[1] - start] * len(scores))
+
+    @torch.no_grad()
+    def run_hf():
+        hist, prefill = [list(p) for p in P], 0
+        for turn in range(3):
+            ids, mask = left_pad(hist, tok.pad_token_id)
+            prefill += int(mask.sum())  # the whole history goes through the model again
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=turn_len, do_sample=False,
+                              eos_token_id=None, pad_token_id=tok.pad_token_id,
+                              logits_processor=transformers.LogitsProcessorList([processor(turn, ids.shape[1])]))
+            hist = [h + o + (suffix if turn < 2 else []) for h, o in zip(hist, out[:, ids.shape[1]:].tolist())]
+        return hist, prefill
+
+    (a, pre_ours), (b, pre_hf) = run_ours(), run_hf()  # warm-up and check
+    same = sum(x == y for x, y in zip(a, b))
+    (t_ours, t_hf), n = medians([run_ours, run_hf], reps)
+    return dict(B=B, same=same, rounds=n, t_ours=t_ours, t_hf=t_hf, pre_ours=pre_ours, pre_hf=pre_hf,
+                decode=B * 3 * turn_len, R=len(suffix), plen=[len(p) for p in P], load=load())
+
+
+def print_multi_turn(r):
+    decode = r["decode"]
+    print(f"{'side':<13} {'s/run':>7} {'tok/s':>7} {'prefill tok':>11} {'recomputed':>10} {'decoded tok':>11}")
+    for side, t, pre in (("ours", r["t_ours"], r["pre_ours"]), ("transformers", r["t_hf"], r["pre_hf"])):
+        # recomputed: the tokens transformers re-encodes that our engine already held in its KV cache
+        rec = pre - r["pre_ours"]
+        rec = f"{rec:,} ({100 * rec / pre:.0f}%)"
+        print(f"{side:<13} {t:>7.3f} {decode / t:>7.0f} {pre:>11,} {rec:>10} {decode:>11,}")
+    bound = (decode + r["pre_hf"]) / (decode + r["pre_ours"])
+    print(f"{'ours / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_ours']):>7} | same trajectories {r['same']}/{r['B']} | "
+          f"if time were proportional to tokens through the model: x{bound:.2f} | prompts "
+          f"{min(r['plen'])}-{max(r['plen'])}, turns {TURN_LEN}, tool responses {r['R']} tokens | "
+          f"{r['rounds']} rounds | load {r['load']:.2f}")
+
+
+# -----------------------------------------------------------------------------
+# (p) where our engine spends its time
+
+def profile(ours, tok, prompts, B, N):
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+    P = prompts[:B]
+    L = max(map(len, P))
+    engine = Engine(ours, tok, kv_capacity=B * (L + N + 1), max_len=L + N + 1)
+    engine.stop_ids = set()
+    for name in ("admit", "decode", "sample", "step_row"):  # label the engine's pieces for the profiler
+        def labelled(*a, _f=getattr(engine, name), _name=name):
+            with record_function(f"engine.{_name}"):
+                return _f(*a)
+        setattr(engine, name, labelled)
+    engine.generate(P, N)  # warm-up
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("engine.generate"):
+            engine.generate(P, N)
+    events = prof.events()
+    total = {e.key: e.cpu_time_total for e in prof.key_averages() if e.key.startswith("engine.")}
+    whole = total.pop("engine.generate")
+    print(f"one generate(), B={B}, {N} new tokens, {whole / 1e3:.0f} ms under the profiler:")
+    for k, us in total.items():
+        print(f"  {k:<16} {us / 1e3:8.1f} ms {100 * us / whole:5.1f}%")
+    rest = whole - sum(total.values())
+    print(f"  {'the rest':<16} {rest / 1e3:8.1f} ms {100 * rest / whole:5.1f}%")
+
+    def inside_decode(e):
+        while e is not None:
+            if e.name == "engine.decode":
+                return True
+            e = e.cpu_parent
+        return False
+    own = collections.Counter()
+    for e in events:
+        if inside_decode(e) and not e.name.startswith("engine."):
+            own[e.name] += e.self_cpu_time_total
+    steps = sum(1 for e in events if e.name == "engine.decode")
+    print(f"top ops inside the {steps} decode steps (the batched model forward; self CPU time per step):")
+    for name, us in own.most_common(15):
+        print(f"  {name:<52} {us / steps:8.0f} us {100 * us / sum(own.values()):5.1f}%")
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
+    ap.add_argument("sections", nargs="*", default=["a", "b", "c"], help="a b c p (default: a b c)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 unless the cores are idle)")
+    ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="(c) without (a): the share of the bound to simulate with (default: measure it)")
+    args = ap.parse_args()
+    unknown = set(args.sections) - set("abcp")
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a b c p")
+    if args.threads < 1 or args.reps < 1:
+        ap.error("--threads and --reps must be >= 1")
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    print(f"{cpu} | {os.cpu_count()} cores | torch {torch.__version__} {torch.get_num_threads()} thread(s) | "
+          f"transformers {transformers.__version__} | fp32 | load average {load():.2f}")
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, hf, tok, prompts = build_models(tmp, max(max(BATCHES), MT_BATCH))
+        c = ours.cfg
+        print(f"model: qwen3 {c.num_hidden_layers} layers, width {c.hidden_size}, {c.num_attention_heads}/"
+              f"{c.num_key_value_heads} heads of {c.head_dim}, MLP {c.intermediate_size}, vocab {c.vocab_size}, "
+              f"{sum(p.numel() for p in ours.parameters()) / 1e6:.2f}M params")
+        efficiency = args.efficiency
+        if "a" in args.sections or ("c" in args.sections and efficiency is None):
+            print(f"\n(a) single-turn greedy, {N_NEW} new tokens per row, no EOS stop. tok/s: generated tokens per "
+                  f"second. prefill s: a run of 1 new token; ms/step: (run - prefill) / {N_NEW - 1}.\n"
+                  f"% = FLOPs per generated token x tok/s / matmul FLOP/s, the matmuls of one decode step at batch B "
+                  f"(mix) or 2048^3 (square); +prefill: the prompts' FLOPs count too; steps: decode steps alone")
+            square = square_rate()
+            batches = BATCHES if "a" in args.sections else BATCHES[-1:]
+            res = [single_turn(ours, hf, tok, prompts, B, N_NEW, args.reps) for B in batches]
+            print_single_turn(res, square)
+            print(f"square 2048^3 matmul: {square / 1e9:.1f} GFLOP/s")
+            r = res[-1]
+            ratios = ", ".join(f"B={x['B']} x{x['t_hf'] / x['t_ours']:.2f}" for x in res)
+            fracs = ", ".join(f"B={x['B']} {100 * x['decode'] / x['t_ours'] / x['mix']:.0f}%" for x in res)
+            print(f"goals: ours >= 1.5x transformers: {ratios} | ours >= 40% of the compute bound (mix): {fracs}")
+            efficiency = efficiency or r["decode"] / r["t_ours"] / r["mix"]
+        if "b" in args.sections:
+            print(f"\n(b) multi-turn, {MT_BATCH} samples x 3 assistant turns of {TURN_LEN} tokens with 2 tool calls "
+                  f"each; ours: Engine.run, transformers: generate per turn on the whole history")
+            r = multi_turn(ours, hf, tok, prompts, MT_BATCH, TURN_LEN, args.reps)
+            print_multi_turn(r)
+            print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
+        if "p" in args.sections:
+            print("\n(p) profile of our engine, (a)'s workload")
+            profile(ours, tok, prompts, BATCHES[-1], 32)
+    if "c" in args.sections:
+        # the simulator's efficiency is the share of the roofline bounds an engine reaches on its GPU. we
+        # can only measure our engine here, on a CPU, against this CPU's compute bound (a decode step
+        # of a tiny model is compute-bound on a CPU, memory-bound on a GPU): the closest measured number
+        # we have, so the table is printed with it; the simulator's own default (0.5) is a guess.
+        print(f"\n(c) scheduler.py --simulate --efficiency={efficiency:.3f}  (= our share of the compute bound "
+              f"in (a), B={BATCHES[-1]}; the simulator's default 0.5 is an assumption)", flush=True)
+        subprocess.run([sys.executable, "scheduler.py", "--simulate", f"--efficiency={efficiency:.3f}"],
+                       cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s | load average now {load():.2f}")
