@@ -1,13 +1,10 @@
 """agent.py against the reference: the released chat template (rendered by transformers), math-verify,
 hand-written expectations for parsing, truncation and answer extraction."""
 
-import contextlib
-import io
 import json
 import random
 import threading
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,30 +12,18 @@ import pytest
 
 import agent
 import data
+from sandbox import SandboxPool
 
 REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
 TEMPLATE = (REF / "rstar2_chat_template.jinja").read_text()
 SCHEMA = json.loads((REF / "rstar2_tool_schema.json").read_text())
 
 
-def run_inprocess(calls):
-    # a minimal stand-in for the sandbox pool: exec with captured stdout, traceback on error
-    results = []
-    for code, stdin in calls:
-        buf = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(buf):
-                exec(compile(code, "<code>", "exec"), {})
-            results.append(SimpleNamespace(status="ok", stdout=buf.getvalue(), stderr="", value="", duration=0.01))
-        except Exception:
-            results.append(SimpleNamespace(status="error", stdout=buf.getvalue(), stderr=traceback.format_exc(), value="", duration=0.01))
-    return results
-
-
 @pytest.fixture(scope="module")
 def tok():
     rng = random.Random(0)
-    convs = [data.sft_conversation(p, rng, run_inprocess, error_rate=0.5) for p in data.make_problems(200, 0)]
+    with SandboxPool(workers=1) as pool:  # real tool outputs, tracebacks included
+        convs = [data.sft_conversation(p, rng, pool.map, error_rate=0.5) for p in data.make_problems(200, 0)]
     return data.train_tokenizer(["".join(t for t, _ in agent.conversation_segments(c)) for c in convs])
 
 
