@@ -16,9 +16,9 @@ fi
 if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "note: could not install bubblewrap"
 fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${1:-}" = test ]; then
   shift
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tests run side by side with sandbox workers
   exec .venv/bin/python -m pytest "$@"
 fi
 exec .venv/bin/python demo.py "$@"
