@@ -92,9 +92,10 @@ table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | to
 for name, s in rows:
     table.append(f"| {name} | {100 * s['avg@k']:.1f}% | {100 * s['avg@k_se']:.1f} | {100 * s['pass@k']:.1f}% | "
                  f"{s['tool_calls']:.2f} | {s['tool_error_ratio']:.3f} | {s['mean_length']:.0f} |")
-final = {n: read_metrics(d)[-1] for n, d in runs.items()}
+last = {n: read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
 summary = "\n".join(table) + "\n\n" + "\n".join(
-    f"- {n}: last-step tool error ratio among positive trajectories {m['tool_err_pos']:.3f}" for n, m in final.items())
+    f"- {n}: tool error ratio among positive trajectories, mean of the last {len(m)} RL steps: "
+    f"{sum(r['tool_err_pos'] for r in m) / len(m):.4f}" for n, m in last.items())
 summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before['samples']} samples; " \
            f"wall time {(time.time() - t_start) / 60:.1f} min\n"
 open(f"{out}/summary.md", "w").write(summary)

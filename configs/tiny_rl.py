@@ -3,7 +3,7 @@
 model_path = "out/tiny-sft"
 data_path = "out/data/train.jsonl"
 run_dir = "out/tiny-rl"
-steps = 40
+steps = 100
 prompts_per_step = 8
 samples_per_prompt = 16   # 2G
 keep_per_prompt = 8       # G
@@ -11,7 +11,7 @@ max_prompt_tokens = 96
 max_response_tokens = 192
 max_turns = 4
 temperature = 1.0
-lr = 1e-4                 # a tiny model; the 14B recipe uses 1e-6
+lr = 2e-4                 # a tiny model; the 14B recipe uses 1e-6
 warmup_steps = 3
 max_tokens_per_micro = 4096
 tool_timeout = 2.0
