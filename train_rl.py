@@ -194,23 +194,28 @@ while step < steps:
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
+        # the "old" policy is this step's weights before any update: log-probs for every mini-batch first
         per_mini = math.ceil(len(kept) / mini_batches)
+        minis = []
         for mb in range(mini_batches):
-            part = list(range(mb * per_mini, min(len(kept), (mb + 1) * per_mini)))
+            part = range(mb * per_mini, min(len(kept), (mb + 1) * per_mini))
             micros = micro_batches([kept[i] for i in part], [advs[i] for i in part])
-            n_tokens = torch.tensor(float(sum(sum(t.mask) for t in (kept[i] for i in part))), device=device)
-            with torch.no_grad():  # the "old" policy: this step's weights before any update
-                old = [token_logprobs(model, mb_["ids"], mb_["tgt"], mb_["seg"], with_entropy=True) for mb_ in micros]
-            for mb_, (old_lp, ent) in zip(micros, old):
-                lp = token_logprobs(model, mb_["ids"], mb_["tgt"], mb_["seg"])
-                loss, st = grpo_roc.policy_loss(lp, old_lp, mb_["adv"], mb_["mask"], eps_low=eps_low,
+            n_tokens = torch.tensor(float(sum(sum(kept[i].mask) for i in part)), device=device)
+            with torch.no_grad():
+                old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True) for m in micros]
+            minis.append((micros, old, n_tokens))
+        for micros, old, n_tokens in minis:
+            for m, (old_lp, ent) in zip(micros, old):
+                lp = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
+                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], m["mask"], eps_low=eps_low,
                                                 eps_high=eps_high, dual_clip=dual_clip or None,
                                                 num_tokens=n_tokens, return_stats=True)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
-                m = mb_["mask"].float()
-                for k, v in {**st, "entropy": (ent * m).sum() / n_tokens}.items():
-                    stats[k] = stats.get(k, 0.0) + float(v) * (m.sum() / n_tokens if k != "entropy" else 1)
+                # token-weighted means over the whole mini-batch (all ranks, summed below)
+                share = m["mask"].sum() / n_tokens
+                stats["clip_frac"] = stats.get("clip_frac", 0.0) + float(st["clip_frac"] * share) / mini_batches
+                stats["entropy"] = stats.get("entropy", 0.0) + float((ent * m["mask"]).sum() / n_tokens) / mini_batches
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             optimizer.step()
@@ -235,7 +240,7 @@ while step < steps:
         "turns": sum(t.turns for t in trajs) / len(trajs),
         "tool_calls": len(calls) / len(trajs),
         "tool_err": err(calls), "tool_err_pos": err(pos_calls),
-        "entropy": stats.get("entropy", 0.0), "clip_frac": stats.get("clip_frac", 0.0) / world,
+        "entropy": stats.get("entropy", 0.0), "clip_frac": stats.get("clip_frac", 0.0),
         "grad_norm": stats.get("grad_norm", 0.0), "lr": optimizer.param_groups[0]["lr"],
         "t_rollout": t_rollout, "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
         "tok_per_s": sum(len(t.response_ids) for t in trajs) / t_rollout, "generated_here": n_mine,

@@ -82,8 +82,11 @@ def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
     out = run("train_rl.py", "configs/tiny_rl.py", f"--model_path={sft}/sft", f"--data_path={bad}",
             f"--run_dir={tmp_path}/x", check=False)
     assert out.returncode != 0 and f"{bad}:2" in out.stderr
-    sft_bad = tmp_path / "sft_bad.jsonl"
-    sft_bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
-    out = run("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft", f"--data_path={sft_bad}",
-              f"--out_dir={tmp_path}/y", check=False)
-    assert out.returncode != 0 and f"{sft_bad}:" in out.stderr
+    good = open(sft / "data" / "sft.jsonl").readline()
+    for name, line in [("json", '{"messages": [\n'), ("role", '{"messages": [{"role": "robot", "content": "x"}]}\n'),
+                       ("tool", '{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')]:
+        sft_bad = tmp_path / f"sft_bad_{name}.jsonl"
+        sft_bad.write_text(good + line)
+        out = run("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft", f"--data_path={sft_bad}",
+                  f"--out_dir={tmp_path}/y", check=False)
+        assert out.returncode != 0 and f"{sft_bad}:2:" in out.stderr, (name, out.stderr[-500:])
