@@ -3,9 +3,11 @@ sandbox.py: an isolated, high-throughput pool that runs untrusted Python snippet
 
 rStar2-Agent's code service answers up to 45K tool calls per RL step at ~0.3 s mean latency; its
 released executor (code-judge) starts a fresh `python3` per call and isolates nothing by default.
-Here a few warm worker interpreters (numpy and sympy imported and warmed once) fork a short-lived
-child per call, so imports are paid once per worker instead of once per call, and every worker
-lives inside its own namespace sandbox.
+Here a few warm worker interpreters fork a short-lived child per call, so imports are paid once per
+worker instead of once per call, and every worker lives inside its own namespace sandbox. A fork
+costs in proportion to the parent's resident memory, so each slot keeps two workers: a lean one (the
+math stdlib, ~9 MB) for code that does not name numpy, sympy or mpmath, and a rich one with numpy
+and sympy imported and warmed (~57 MB). Trivial calls then cost ~2.5 ms instead of ~6.
 
     with SandboxPool(workers=2, timeout=4.0) as pool:                   # scripts and tests
         results = pool.map([("print(int(input()) * 2)", "21\\n"), "1 + 1"])
@@ -15,11 +17,11 @@ lives inside its own namespace sandbox.
 
     python sandbox.py --bench       # throughput/latency vs a fresh python3 per call (~3 minutes)
 
-Layout (one box per worker; a worker is `python -I sandbox.py --worker`):
+Layout (one box per worker, two workers per slot; a worker is `python -I sandbox.py --worker`):
 
     trainer process                          bwrap --unshare-* --ro-bind / / --tmpfs /tmp (or unshare)
       run() / map() ─► FIFO queue            ┌────────────────────────────────────────────────────┐
-      one thread per worker ── JSON line ──► │ worker = pid 1 of the namespace, numpy+sympy warm  │
+      one thread per slot ─── JSON line ──► │ worker = pid 1 of the namespace, lean or rich warm │
         watchdog: timeout + 2 s   ◄───────── │  per call: fork ─► child: setsid, rlimits, uid     │
                                              │  65534-i, cwd /tmp/call-*, exec(code) as __main__  │
                                              │  wall deadline, then SIGKILL to every other pid    │
@@ -34,10 +36,10 @@ How a status is decided (first rule that matches):
     error       an exception reached the top level (traceback in stderr) or a non-zero exit status
     ok          anything else, including sys.exit(0) and os._exit(0)
 Knobs (keyword arguments; the training configs set them):
-    workers        worker processes, each running one call at a time (default: CPU cores)
+    workers        slots, each running one call at a time in its lean or rich worker (default: CPU cores)
     timeout        wall-clock seconds per call (default 4, as the paper's service); run() can override it
     memory         bytes of address space a call process may add on top of the warm interpreter
-                   (~180 MiB), also the largest file it may write and each worker's /tmp size (default 1 GiB)
+                   (~20 / ~175 MiB lean / rich), also the largest file it may write and each worker's /tmp size (default 1 GiB)
     output_cap     bytes kept of stdout and of stderr each (default 64 KiB)
     queue_timeout  seconds a call may wait for a free worker before it is answered `overloaded` (default 60)
     isolation      "auto" (bwrap, else unshare, else refuse to start), "bwrap", "unshare", or "none" (opt-out)
@@ -67,44 +69,429 @@ What it does not protect against:
   - CPU fairness: a call can use its whole time budget on one core, and can starve other workers'
     calls on an oversubscribed machine;
   - with isolation="none" (the explicit opt-out): none of the namespace protections above apply, and
-    a process that leaves its process group (setsid) can outlive the call.
+    a process that leaves its process group (setsid) can outlive the call; as root, the call's uid
+    may also be unable to import modules the worker did not preload (e.g. a Python under /root).
 Needs Linux >= 5.3 (pidfd); the unshare fallback needs Linux >= 5.12 (mount_setattr).
 """
 
-import argparse
 import ast
-import asyncio
-import collections
-import concurrent.futures
 import ctypes
-import dataclasses
 import gc
 import json
 import linecache
 import math
 import os
+import re
 import resource
 import select
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import types
 
+NPROC = 64         # processes + threads one call may have (per uid, so per worker when we run as root)
+NOFILE = 256       # open files per call process
+
+# ------------------------------------------------------------------------------------------------
+# the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
+
+# Every worker preloads the cheap math modules. Fork costs grow with the parent's resident memory (page
+# tables to copy, pages to copy-on-write and to free again), and numpy + sympy make a worker ~5x bigger,
+# so each slot has two: a lean worker for code that names neither, and a rich one with both warm.
+PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
+           "bisect", "random", "statistics", "re", "string", "json")
+RICH = ("numpy", "sympy")
+MOUNT_SETATTR = 442  # syscall number, the same on x86_64 and aarch64
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _worker_main(cfg):
+    # the pool speaks JSON lines over our stdin/stdout; move them aside so nothing else writes there
+    req = os.fdopen(os.dup(0), "rb")
+    rep = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    sys.dont_write_bytecode = True
+    sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]  # not the repo
+    libc = _libc()
+    try:
+        if cfg["mode"] == "unshare":  # bwrap does this for us; with unshare we are root of a mount ns
+            _mount_like_bwrap(libc, cfg)
+        problems = _isolation_problems(cfg["mode"])
+        if problems:
+            raise RuntimeError(f"{cfg['mode']} sandbox is not isolated: " + "; ".join(problems))
+        _prepare_calls(cfg, libc)
+        _warm(cfg["rich"])
+        if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
+            canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
+                           cfg, _vmsize(), libc)
+            if canary["status"] != "ok":
+                raise RuntimeError(f"code running as uid {cfg['uid']} cannot read the Python installation: "
+                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[-1])
+    except Exception as e:
+        rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
+        rep.flush()
+        os._exit(1)
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: code running as our uid cannot ptrace us
+    vm = _vmsize()
+    rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
+    rep.flush()
+    os.dup2(null, 2)
+    for line in req:  # the pool closing our stdin ends the loop (and, as pid 1, the namespace)
+        r = json.loads(line)
+        out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
+        rep.write((json.dumps(out) + "\n").encode())
+        rep.flush()
+
+
+def _prepare_calls(cfg, libc):
+    """What every call's child would otherwise set up itself: done once here, inherited by each fork
+    (each step a child skips is pages it does not copy-on-write)."""
+    cfg["tmp"] = os.path.join(tempfile.gettempdir(), f"call-{os.getpid()}")  # made and removed per call
+    os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
+    tempfile.tempdir = cfg["tmp"]
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
+    # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers
+    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.argv = ["<code>"]
+
+
+def _vmsize():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmSize")).split()[1]) * 1024
+
+
+def _mount_like_bwrap(libc, cfg):
+    """For the unshare fallback: make the host read-only, mount a private /tmp, and (as root) swap
+    ancestors that hide Python from the call uid for a tmpfs with Python's directories bound back."""
+    def mount(src, dst, fstype, flags, data=None):
+        if libc.mount(src.encode(), dst.encode(), fstype and fstype.encode(), ctypes.c_ulong(flags),
+                      data and data.encode()) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {src} on {dst} failed")
+
+    def read_only(path):  # mount_setattr(path, AT_RECURSIVE, MOUNT_ATTR_RDONLY)
+        attr = struct.pack("QQQQ", 1, 0, 0, 0)
+        if libc.syscall(ctypes.c_long(MOUNT_SETATTR), ctypes.c_int(-100), path.encode(), ctypes.c_uint(0x8000),
+                        attr, ctypes.c_size_t(len(attr))) != 0:
+            raise OSError(ctypes.get_errno(), f"mount_setattr({path}, read-only) failed (needs Linux >= 5.12)")
+
+    MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE, MS_REC = 2, 4, 4096, 8192, 16384
+    os.umask(0o022)  # directories made below stay traversable for the call uid
+    read_only("/")
+    keep = [(p, os.open(p, os.O_PATH)) for p in _under_tmp()]  # still reachable once /tmp is covered
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={max(cfg['memory'], 64 << 20)},mode=1777")
+    for p, fd in keep:
+        os.makedirs(p, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+        os.close(fd)
+        read_only(p)
+    for above, paths in cfg["hidden"].items():
+        stages = []
+        for p in paths:  # park a bind of each path in /tmp, cover the ancestor, move the binds back
+            stages.append(tempfile.mkdtemp(dir="/tmp") if os.path.isdir(p) else tempfile.mkstemp(dir="/tmp")[1])
+            mount(p, stages[-1], None, MS_BIND | MS_REC)
+        mount("tmpfs", above, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
+        for p, stage in zip(paths, stages):
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            os.makedirs(p, exist_ok=True) if os.path.isdir(stage) else open(p, "a").close()
+            mount(stage, p, None, MS_MOVE)
+            os.rmdir(stage) if os.path.isdir(stage) else os.unlink(stage)
+        read_only(above)
+
+
+def _isolation_problems(mode):
+    if mode == "none":
+        return []
+    problems = []
+    if os.getpid() != 1:
+        problems.append("the worker is not the init of its own pid namespace")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if os.access("/", os.W_OK) or os.access(here, os.W_OK):
+        problems.append("the host filesystem is writable")
+    with open("/proc/net/dev") as f:
+        ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
+    if ifaces:
+        problems.append(f"network interfaces are visible: {sorted(ifaces)}")
+    if not os.access("/tmp", os.W_OK):
+        problems.append("/tmp is not writable")
+    return problems
+
+
+def _warm(rich):
+    import importlib
+    for name in PRELOAD + (RICH if rich else ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if "sympy" in sys.modules:  # run the common paths once so lazy imports and caches fill here, not per call
+        import sympy as sp
+        x = sp.Symbol("x")
+        sp.factor(x**4 - 1), sp.expand((x + 1)**5), sp.solve(x**2 - 2, x), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
+        sp.integrate(x * sp.exp(x), x), sp.diff(sp.sin(x) * x, x), sp.limit(sp.sin(x) / x, x, 0)
+        sp.series(sp.exp(x), x, 0, 4), sp.Matrix([[1, 2], [3, 4]]).det(), sp.nsimplify(0.5), sp.N(sp.pi, 30)
+        sp.isprime(97), sp.factorint(360), sp.Rational(1, 3) + sp.Rational(1, 6), sp.latex(sp.sqrt(8) / x)
+        sp.sympify("x**2 + 2*x + 1"), sp.Poly(x**3 - 1, x).all_coeffs(), sp.binomial(10, 3), sp.summation(x, (x, 1, 10))
+    if "numpy" in sys.modules:
+        import numpy as np
+        np.linalg.solve(np.eye(3), np.ones(3)), np.arange(10).sum(), np.sqrt(np.array([4.0]))
+    gc.collect()
+    gc.freeze()  # keep the collector from touching (and so copying) the parent's pages in every child
+    # back the warm heap with huge pages where the kernel can (MADV_COLLAPSE, Linux >= 6.1; elsewhere a
+    # no-op): fork then copies one page-table entry per 2 MiB instead of 512, and fork is most of a call
+    # (trivial calls took ~40% less time on a 2-core VM)
+    libc, huge = _libc(), 2 << 20
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                lo, hi = -(-lo // huge) * huge, hi // huge * huge
+                if hi > lo:
+                    libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
+    sys.stdout.flush(), sys.stderr.flush()  # the call's children inherit these wrappers: leave them empty
+
+
+def _call(code, stdin, timeout, cfg, vm, libc):
+    """Run one call in a forked child; return the Result fields as a dict."""
+    cap, uid, pid1, tmp = cfg["output_cap"], cfg["uid"], os.getpid() == 1, cfg["tmp"]
+    if os.path.lexists(tmp):  # left by a worker that died mid-call (only with isolation="none")
+        _rmtree(tmp)
+    os.mkdir(tmp, 0o700)
+    if uid is not None:
+        os.chown(tmp, uid, uid)
+    stdin_fd = os.memfd_create("stdin")
+    os.write(stdin_fd, stdin.encode(errors="replace"))  # memfd writes are complete
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    ctl_r, ctl_w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(code, tmp, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # never returns
+    for fd in (stdin_fd, out_w, err_w, ctl_w):
+        os.close(fd)
+    # 1) collect output until the child exits or the deadline passes
+    bufs = {out_r: bytearray(), err_r: bytearray(), ctl_r: bytearray()}
+    dropped = {out_r: 0, err_r: 0, ctl_r: 0}
+    pidfd = os.pidfd_open(pid)
+    live = set(bufs)
+    poller = select.poll()
+    for fd in (*bufs, pidfd):
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN)
+
+    def pump(fd, reads=1):  # read what is there, keep up to the cap, count the rest
+        for _ in range(reads):
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                if fd in live:
+                    poller.unregister(fd)
+                    live.remove(fd)
+                return
+            keep = max(0, cap + 4096 * (fd == ctl_r) - len(bufs[fd]))
+            bufs[fd] += chunk[:keep]
+            dropped[fd] += len(chunk) - len(chunk[:keep])
+
+    timed_out, exited = False, False
+    while not exited:
+        left = t0 + timeout - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(left * 1000):
+            if fd == pidfd:
+                exited = True
+            elif fd in bufs:
+                pump(fd)
+    # 2) kill what is left of the call: its process group, and as pid 1 every other process we see
+    for fd in live.copy():  # what the child wrote before it exited is still in the pipes
+        pump(fd, reads=64)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _, wstatus, usage = os.wait4(pid, 0)
+    duration = time.monotonic() - t0
+    if pid1:
+        try:
+            os.kill(-1, signal.SIGKILL)  # from a namespace's init this reaches only that namespace
+        except ProcessLookupError:  # nothing else was alive
+            pass
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                break
+    for fd in bufs:
+        if fd in live:
+            pump(fd, reads=64)
+        os.close(fd)
+    os.close(pidfd)
+    try:
+        os.rmdir(tmp)  # usually the code wrote nothing
+    except OSError:
+        _rmtree(tmp)
+    # 3) decide the status (the rules are in the module docstring)
+    ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").partition("\n")
+    note = ""
+    if timed_out:
+        status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
+    elif os.WIFSIGNALED(wstatus):
+        sig = os.WTERMSIG(wstatus)
+        cpu = usage.ru_utime + usage.ru_stime
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(timeout) + 1):
+            status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
+        else:
+            name = signal.Signals(sig).name if sig in signal.valid_signals() and sig < signal.SIGRTMIN else sig
+            status, note = "crash", f"[sandbox] killed by signal {name}"
+    elif ctl_status == "memory":
+        status = "memory"
+    else:
+        status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
+    stdout = bufs[out_r].decode(errors="replace")
+    stderr = bufs[err_r].decode(errors="replace")
+    notes = [f"[sandbox] {name} truncated: {dropped[fd]} more bytes dropped (cap {cap})"
+             for name, fd in (("stdout", out_r), ("stderr", err_r)) if dropped[fd]] + ([note] if note else [])
+    if notes:
+        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes)
+    value = value if has_value and not stdout else ""
+    return {"status": status, "stdout": stdout, "stderr": stderr, "value": value, "duration": duration}
+
+
+def _child(code, tmp, timeout, cfg, vm, libc, fds):
+    """The forked child: lock down, then run `code` as __main__. Never returns into the worker.
+    (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
+    exit_code = 70
+    try:
+        os.setsid()
+        cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
+        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
+                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
+            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
+        uid = cfg["uid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
+        elif os.geteuid() == 0:  # root of a user namespace (unshare as a normal user): drop its capabilities
+            if libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) != 0:
+                raise OSError(ctypes.get_errno(), "capset")
+        if cfg["mode"] == "none":  # elsewhere the namespace ends with its worker
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
+        os.chdir(tmp)
+        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3
+            os.dup2(fd, i)
+        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        status, value = "ok", None
+        try:
+            # a trailing expression is evaluated apart so that its value can be shown, IPython-style
+            tree = ast.parse(code, "<code>")
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
+            exec(compile(tree, "<code>", "exec"), main.__dict__)
+            if last is not None:
+                v = eval(compile(ast.Expression(last.value), "<code>", "eval"), main.__dict__)
+                value = None if v is None else repr(v)[:cfg["output_cap"]]
+            exit_code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                exit_code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                exit_code = 1
+        except BaseException as e:
+            status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
+            if isinstance(e, SyntaxError):
+                sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+            else:  # skip our own frame: the traceback starts in <code>
+                traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except BaseException:
+                pass
+        msg = (status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
+        while msg:
+            msg = msg[os.write(3, msg):]
+    except BaseException:
+        try:
+            os.write(2, traceback.format_exc().encode())
+        except BaseException:
+            pass
+    finally:
+        os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
+
+
+def _rmtree(path):
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):  # the code chmod-ed something shut: open directories up and retry
+        os.chmod(path, 0o700)
+        for root, dirs, _ in os.walk(path):
+            for d in dirs:
+                p = os.path.join(root, d)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o700)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _needed_paths():
+    """Python's directories and this file: what a worker and its calls must be able to read."""
+    import site
+    return {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
+                                          *site.getsitepackages(), __file__) if os.path.exists(p)}
+
+
+def _under_tmp():
+    """Needed directories under /tmp (a checkout or venv there): the private /tmp covers the host's, so
+    they are bound back read-only."""
+    tmp = sorted({p if os.path.isdir(p) else os.path.dirname(p) for p in _needed_paths() if p.startswith("/tmp/")})
+    return [p for p in tmp if not any(p.startswith(q + "/") for q in tmp)]
+
+
+# A worker stops reading this file here: what follows is the pool's side (threads, asyncio, subprocess),
+# ~6 MB that every fork would otherwise copy and free again (about a quarter of a trivial call's cost).
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker_main(json.loads(sys.argv[2]))
+    sys.exit(0)
+
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import collections  # noqa: E402
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+
 STATUSES = ("ok", "error", "timeout", "memory", "crash", "overloaded")
 ISOLATIONS = ("auto", "bwrap", "unshare", "none")
 GRACE = 2.0        # seconds past a call's timeout before its worker counts as wedged and is replaced
-NPROC = 64         # processes + threads one call may have (per uid, so per worker when we run as root)
-NOFILE = 256       # open files per call process
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
 # worker capabilities when the pool runs as root: enough to drop to a uid, hand it a directory,
 # kill its leftovers and remove what it wrote; the child itself keeps none of them
 ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
+NEEDS_RICH = re.compile(r"\b(numpy|sympy|mpmath)\b")  # mpmath is imported by sympy
 
 
 @dataclasses.dataclass
@@ -138,7 +525,7 @@ class SandboxPool:
         self.output_cap, self.queue_timeout, self.isolation = int(output_cap), float(queue_timeout), isolation
         self.mode = None  # the isolation actually in use, once started
         self._cond = threading.Condition()
-        self._queue = collections.deque()  # calls: (t_submit, request line, future, timeout)
+        self._queue = collections.deque()  # calls: (t_submit, request line, future, timeout, needs rich)
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
 
@@ -229,7 +616,7 @@ class SandboxPool:
         if not self._running or self._closed:
             raise RuntimeError("SandboxPool is not running: use it inside `with` / `async with`, or call start()")
         line = (json.dumps({"code": code, "stdin": stdin, "timeout": timeout}) + "\n").encode()
-        call = (time.monotonic(), line, concurrent.futures.Future(), timeout)
+        call = (time.monotonic(), line, concurrent.futures.Future(), timeout, bool(NEEDS_RICH.search(code)))
         with self._cond:
             self._queue.append(call)
             self._cond.notify()
@@ -260,51 +647,50 @@ class SandboxPool:
     # -- one thread per worker (the thread also spawns it: bwrap --die-with-parent follows this thread)
 
     def _serve(self, slot):
-        proc = None
+        procs = {}  # rich: False/True -> the slot's lean and rich worker
         try:
-            proc = self._spawn(slot)
+            procs = {rich: self._spawn(slot, rich) for rich in (False, True)}
         except Exception as e:
             self._errors[slot] = e
         self._ready[slot].set()
-        if proc is None:
-            return
-        while True:
-            if proc is not None and proc.poll() is not None:  # died while idle: replace it first
-                _stop(proc, kill=True)
-                proc = None
-            if proc is None:
-                try:
-                    proc = self._spawn(slot)
-                except Exception:
-                    # could not restart: back off; queued calls go to other workers or expire as overloaded
-                    with self._cond:
-                        self._cond.wait_for(lambda: self._closed, timeout=1.0)
-                        if self._closed:
-                            return
-                    continue
+        while len(procs) == 2:
             call = self._take()
             if call is None:
                 break
-            _, line, fut, timeout = call
-            start, result = time.monotonic(), None
-            try:
-                _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
-                reply = _read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
-                if reply is not None:
-                    result = Result(**json.loads(reply))
-            except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
-                pass
-            if result is None:  # died, or no answer in time: replace it, answer the call
+            _, line, fut, timeout, rich = call
+            proc, result = procs[rich], None
+            if proc is None or proc.poll() is not None:  # it died while idle, or could not be restarted
                 _stop(proc, kill=True)
-                proc = None
-                result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
-                                time.monotonic() - start)
+                try:
+                    procs[rich] = proc = self._spawn(slot, rich)
+                except Exception as e:
+                    procs[rich] = proc = None
+                    result = Result("crash", "", f"[sandbox] could not restart a worker: {e}", "", 0.0)
+            start = time.monotonic()
+            if proc is not None:
+                try:
+                    _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
+                    reply = _read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
+                    if reply is not None:
+                        result = Result(**json.loads(reply))
+                except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
+                    pass
+                if result is None:  # died, or no answer in time: replace it now, answer the call
+                    _stop(proc, kill=True)
+                    procs[rich] = None
+                    result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced",
+                                    "", time.monotonic() - start)
+                    try:
+                        procs[rich] = self._spawn(slot, rich)
+                    except Exception:  # tried again at its next call
+                        pass
             fut.set_result(result)
-        _stop(proc, kill=False)
+        for proc in procs.values():
+            _stop(proc, kill=False)
 
-    def _spawn(self, slot):
+    def _spawn(self, slot, rich):
         root = os.geteuid() == 0
-        cfg = {"uid": 65534 - slot % 535 if root else None, "memory": self.memory,
+        cfg = {"uid": 65534 - slot % 535 if root else None, "rich": rich, "memory": self.memory,
                "output_cap": self.output_cap, "hidden": _hidden_paths() if root else {}}
         modes = [self.mode] if self.mode else ["bwrap", "unshare"] if self.isolation == "auto" else [self.isolation]
         failures = []
@@ -362,20 +748,6 @@ def _wrapper(mode, root, memory):
         return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
                 "--mount-proc", "--"]
     return []
-
-
-def _needed_paths():
-    """Python's directories and this file: what a worker and its calls must be able to read."""
-    import site
-    return {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix, sys.exec_prefix,
-                                          *site.getsitepackages(), __file__) if os.path.exists(p)}
-
-
-def _under_tmp():
-    """Needed directories under /tmp (a checkout or venv there): the private /tmp covers the host's, so
-    they are bound back read-only."""
-    tmp = sorted({p if os.path.isdir(p) else os.path.dirname(p) for p in _needed_paths() if p.startswith("/tmp/")})
-    return [p for p in tmp if not any(p.startswith(q + "/") for q in tmp)]
 
 
 def _parents(path, above):
@@ -460,352 +832,6 @@ def _stop(proc, kill):
         proc.kill()  # bwrap/unshare pass the SIGKILL on to the worker (--die-with-parent, --kill-child)
         proc.wait()
     proc.stdout.close()
-
-
-# ------------------------------------------------------------------------------------------------
-# the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
-
-PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
-           "bisect", "random", "statistics", "re", "string", "json", "numpy", "sympy")
-MOUNT_SETATTR = 442  # syscall number, the same on x86_64 and aarch64
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _worker_main(cfg):
-    # the pool speaks JSON lines over our stdin/stdout; move them aside so nothing else writes there
-    req = os.fdopen(os.dup(0), "rb")
-    rep = os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null, 0)
-    os.dup2(null, 1)
-    sys.dont_write_bytecode = True
-    sys.path = [p for p in sys.path if p != os.path.dirname(os.path.abspath(__file__))]  # not the repo
-    libc = _libc()
-    try:
-        if cfg["mode"] == "unshare":  # bwrap does this for us; with unshare we are root of a mount ns
-            _mount_like_bwrap(libc, cfg)
-        problems = _isolation_problems(cfg["mode"])
-        if problems:
-            raise RuntimeError(f"{cfg['mode']} sandbox is not isolated: " + "; ".join(problems))
-        _warm()
-        if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
-            canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
-                           cfg, _vmsize(), libc)
-            if canary["status"] != "ok":
-                raise RuntimeError(f"code running as uid {cfg['uid']} cannot read the Python installation: "
-                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[-1])
-    except Exception as e:
-        rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
-        rep.flush()
-        os._exit(1)
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: code running as our uid cannot ptrace us
-    vm = _vmsize()
-    rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
-    rep.flush()
-    os.dup2(null, 2)
-    for line in req:  # the pool closing our stdin ends the loop (and, as pid 1, the namespace)
-        r = json.loads(line)
-        out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
-        rep.write((json.dumps(out) + "\n").encode())
-        rep.flush()
-
-
-def _vmsize():
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith("VmSize")).split()[1]) * 1024
-
-
-def _mount_like_bwrap(libc, cfg):
-    """For the unshare fallback: make the host read-only, mount a private /tmp, and (as root) swap
-    ancestors that hide Python from the call uid for a tmpfs with Python's directories bound back."""
-    def mount(src, dst, fstype, flags, data=None):
-        if libc.mount(src.encode(), dst.encode(), fstype and fstype.encode(), ctypes.c_ulong(flags),
-                      data and data.encode()) != 0:
-            raise OSError(ctypes.get_errno(), f"mount {src} on {dst} failed")
-
-    def read_only(path):  # mount_setattr(path, AT_RECURSIVE, MOUNT_ATTR_RDONLY)
-        attr = struct.pack("QQQQ", 1, 0, 0, 0)
-        if libc.syscall(ctypes.c_long(MOUNT_SETATTR), ctypes.c_int(-100), path.encode(), ctypes.c_uint(0x8000),
-                        attr, ctypes.c_size_t(len(attr))) != 0:
-            raise OSError(ctypes.get_errno(), f"mount_setattr({path}, read-only) failed (needs Linux >= 5.12)")
-
-    MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE, MS_REC = 2, 4, 4096, 8192, 16384
-    os.umask(0o022)  # directories made below stay traversable for the call uid
-    read_only("/")
-    keep = [(p, os.open(p, os.O_PATH)) for p in _under_tmp()]  # still reachable once /tmp is covered
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={max(cfg['memory'], 64 << 20)},mode=1777")
-    for p, fd in keep:
-        os.makedirs(p, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-        os.close(fd)
-        read_only(p)
-    for above, paths in cfg["hidden"].items():
-        stages = []
-        for p in paths:  # park a bind of each path in /tmp, cover the ancestor, move the binds back
-            stages.append(tempfile.mkdtemp(dir="/tmp") if os.path.isdir(p) else tempfile.mkstemp(dir="/tmp")[1])
-            mount(p, stages[-1], None, MS_BIND | MS_REC)
-        mount("tmpfs", above, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
-        for p, stage in zip(paths, stages):
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            os.makedirs(p, exist_ok=True) if os.path.isdir(stage) else open(p, "a").close()
-            mount(stage, p, None, MS_MOVE)
-            os.rmdir(stage) if os.path.isdir(stage) else os.unlink(stage)
-        read_only(above)
-
-
-def _isolation_problems(mode):
-    if mode == "none":
-        return []
-    problems = []
-    if os.getpid() != 1:
-        problems.append("the worker is not the init of its own pid namespace")
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.access("/", os.W_OK) or os.access(here, os.W_OK):
-        problems.append("the host filesystem is writable")
-    with open("/proc/net/dev") as f:
-        ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
-    if ifaces:
-        problems.append(f"network interfaces are visible: {sorted(ifaces)}")
-    if not os.access("/tmp", os.W_OK):
-        problems.append("/tmp is not writable")
-    return problems
-
-
-def _warm():
-    import importlib
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    if "sympy" in sys.modules:  # run the common paths once so lazy imports and caches fill here, not per call
-        import sympy as sp
-        x = sp.Symbol("x")
-        sp.factor(x**4 - 1), sp.expand((x + 1)**5), sp.solve(x**2 - 2, x), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
-        sp.integrate(x * sp.exp(x), x), sp.diff(sp.sin(x) * x, x), sp.limit(sp.sin(x) / x, x, 0)
-        sp.series(sp.exp(x), x, 0, 4), sp.Matrix([[1, 2], [3, 4]]).det(), sp.nsimplify(0.5), sp.N(sp.pi, 30)
-        sp.isprime(97), sp.factorint(360), sp.Rational(1, 3) + sp.Rational(1, 6), sp.latex(sp.sqrt(8) / x)
-        sp.sympify("x**2 + 2*x + 1"), sp.Poly(x**3 - 1, x).all_coeffs(), sp.binomial(10, 3), sp.summation(x, (x, 1, 10))
-    if "numpy" in sys.modules:
-        import numpy as np
-        np.linalg.solve(np.eye(3), np.ones(3)), np.arange(10).sum(), np.sqrt(np.array([4.0]))
-    gc.collect()
-    gc.freeze()  # keep the collector from touching (and so copying) the parent's pages in every child
-    # back the warm heap with huge pages where the kernel can (MADV_COLLAPSE, Linux >= 6.1; elsewhere a
-    # no-op): fork then copies one page-table entry per 2 MiB instead of 512, and fork is most of a call
-    # (trivial calls took ~40% less time on a 2-core VM)
-    libc, huge = _libc(), 2 << 20
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                lo, hi = -(-lo // huge) * huge, hi // huge * huge
-                if hi > lo:
-                    libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
-
-
-def _call(code, stdin, timeout, cfg, vm, libc):
-    """Run one call in a forked child; return the Result fields as a dict."""
-    cap, uid, pid1 = cfg["output_cap"], cfg["uid"], os.getpid() == 1
-    tmp = tempfile.mkdtemp(prefix="call-")
-    if uid is not None:
-        os.chown(tmp, uid, uid)
-    stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, stdin.encode(errors="replace"))  # memfd writes are complete
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    ctl_r, ctl_w = os.pipe()
-    t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _child(code, tmp, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # never returns
-    for fd in (stdin_fd, out_w, err_w, ctl_w):
-        os.close(fd)
-    # 1) collect output until the child exits or the deadline passes
-    bufs = {out_r: bytearray(), err_r: bytearray(), ctl_r: bytearray()}
-    dropped = {out_r: 0, err_r: 0, ctl_r: 0}
-    pidfd = os.pidfd_open(pid)
-    live = set(bufs)
-    poller = select.poll()
-    for fd in (*bufs, pidfd):
-        os.set_blocking(fd, False)
-        poller.register(fd, select.POLLIN)
-
-    def pump(fd, reads=1):  # read what is there, keep up to the cap, count the rest
-        for _ in range(reads):
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                return
-            if not chunk:
-                if fd in live:
-                    poller.unregister(fd)
-                    live.remove(fd)
-                return
-            keep = max(0, cap + 4096 * (fd == ctl_r) - len(bufs[fd]))
-            bufs[fd] += chunk[:keep]
-            dropped[fd] += len(chunk) - len(chunk[:keep])
-
-    timed_out, exited = False, False
-    while not exited:
-        left = t0 + timeout - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        for fd, _ in poller.poll(left * 1000):
-            if fd == pidfd:
-                exited = True
-            elif fd in bufs:
-                pump(fd)
-    # 2) kill what is left of the call: its process group, and as pid 1 every other process we see
-    for fd in live.copy():  # what the child wrote before it exited is still in the pipes
-        pump(fd, reads=64)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _, wstatus, usage = os.wait4(pid, 0)
-    duration = time.monotonic() - t0
-    if pid1:
-        try:
-            os.kill(-1, signal.SIGKILL)  # from a namespace's init this reaches only that namespace
-        except ProcessLookupError:  # nothing else was alive
-            pass
-        while True:
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
-    for fd in bufs:
-        if fd in live:
-            pump(fd, reads=64)
-        os.close(fd)
-    os.close(pidfd)
-    try:
-        os.rmdir(tmp)  # usually the code wrote nothing
-    except OSError:
-        _rmtree(tmp)
-    # 3) decide the status (the rules are in the module docstring)
-    try:
-        ctl = json.loads(bufs[ctl_r])
-    except ValueError:
-        ctl = {}
-    note = ""
-    if timed_out:
-        status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
-    elif os.WIFSIGNALED(wstatus):
-        sig = os.WTERMSIG(wstatus)
-        cpu = usage.ru_utime + usage.ru_stime
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(timeout) + 1):
-            status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
-        else:
-            name = signal.Signals(sig).name if sig in signal.valid_signals() and sig < signal.SIGRTMIN else sig
-            status, note = "crash", f"[sandbox] killed by signal {name}"
-    elif ctl.get("status") == "memory":
-        status = "memory"
-    else:
-        status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
-    stdout = bufs[out_r].decode(errors="replace")
-    stderr = bufs[err_r].decode(errors="replace")
-    notes = [f"[sandbox] {name} truncated: {dropped[fd]} more bytes dropped (cap {cap})"
-             for name, fd in (("stdout", out_r), ("stderr", err_r)) if dropped[fd]] + ([note] if note else [])
-    if notes:
-        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes)
-    value = ctl.get("value", "") if not stdout and isinstance(ctl.get("value"), str) else ""
-    return {"status": status, "stdout": stdout, "stderr": stderr, "value": value, "duration": duration}
-
-
-def _child(code, tmp, timeout, cfg, vm, libc, fds):
-    """The forked child: lock down, then run `code` as __main__. Never returns into the worker."""
-    exit_code = 70
-    try:
-        os.setsid()
-        cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
-        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
-            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
-        uid = cfg["uid"]
-        if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
-        elif os.geteuid() == 0:  # root of a user namespace (unshare as a normal user): drop its capabilities
-            if libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) != 0:
-                raise OSError(ctypes.get_errno(), "capset")
-        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries cannot give privileges back
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker (isolation none)
-        os.chdir(tmp)
-        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3
-            os.dup2(fd, i)
-        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
-        os.environ.update(HOME=tmp, TMPDIR=tmp)
-        tempfile.tempdir = tmp  # the worker's cached "/tmp" would otherwise win
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(s, signal.SIG_DFL)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
-        sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
-        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-        sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-        sys.argv = ["<code>"]
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
-        status, value = "ok", None
-        try:
-            # a trailing expression is evaluated apart so that its value can be shown, IPython-style
-            tree = ast.parse(code, "<code>")
-            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
-            exec(compile(tree, "<code>", "exec"), main.__dict__)
-            if last is not None:
-                v = eval(compile(ast.Expression(last.value), "<code>", "eval"), main.__dict__)
-                value = None if v is None else repr(v)[:cfg["output_cap"]]
-            exit_code = 0
-        except SystemExit as e:
-            if e.code is None or isinstance(e.code, int):
-                exit_code = e.code or 0
-            else:
-                print(e.code, file=sys.stderr)
-                exit_code = 1
-        except BaseException as e:
-            status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
-            if isinstance(e, SyntaxError):
-                sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
-            else:  # skip our own frame: the traceback starts in <code>
-                traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except BaseException:
-                pass
-        msg = json.dumps({"status": status, **({"value": value} if value is not None else {})}).encode()
-        while msg:
-            msg = msg[os.write(3, msg):]
-    except BaseException:
-        try:
-            os.write(2, traceback.format_exc().encode())
-        except BaseException:
-            pass
-    finally:
-        os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
-
-
-def _rmtree(path):
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):  # the code chmod-ed something shut: open directories up and retry
-        os.chmod(path, 0o700)
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                p = os.path.join(root, d)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o700)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -922,9 +948,6 @@ def _bench(args):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        _worker_main(json.loads(sys.argv[2]))
-        sys.exit(0)
     ap = argparse.ArgumentParser(description="sandbox pool benchmark (see the module docstring)")
     ap.add_argument("--bench", action="store_true", help="run the benchmark")
     ap.add_argument("--workers", type=int, default=None, help="pool workers and fresh executors (default: cores)")

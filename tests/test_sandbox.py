@@ -136,7 +136,7 @@ def test_kill_parent(pool):
     if r.status != "crash":
         check_host_and_pool(pool, descendants())
     assert pool.map(["print(1)"])[0].stdout == "1\n"
-    assert len(worker_pids()) == pool.workers
+    assert len(worker_pids()) == 2 * pool.workers
 
 
 def test_network_is_unreachable(pool):
@@ -186,11 +186,15 @@ def test_results_values_and_imports(pool):
         "import os, tempfile\nprint(os.getcwd() == tempfile.gettempdir() and os.listdir('.') == [])",
         "def f(:\n  pass",
         "print('é' * 3)",
+        "import sys\nprint(sorted(sys.modules).count('sym' + 'py'))",        # lean worker: sympy not loaded
+        "import sys\nprint(sorted(sys.modules).count('sym' + 'py'))  # sympy",  # names it: the rich worker
+        ("import os\nprint(os.getcwd(), os.environ['HOME'], os.environ['TMPDIR'])", ""),
     ])
     assert [(r.status, r.stdout, r.value) for r in rs] == [
         ("ok", "", "2"), ("ok", "hi\n", ""), ("ok", "", ""), ("ok", "", ""), ("ok", "", "(x - 1)*(x + 1)"),
         ("ok", "", "np.int64(6)"), ("ok", "", "(0.0, 1.0, 1.0)"), ("ok", "cba\n", ""), ("ok", "True\n", ""),
-        ("error", "", ""), ("ok", "ééé\n", "")]
+        ("error", "", ""), ("ok", "ééé\n", ""), ("ok", "0\n", ""), ("ok", "1\n", ""),
+        ("ok", " ".join([rs[8].stdout and rs[-1].stdout.split()[0]] * 3) + "\n", "")]
     # a syntax error shows only the user's code, never the sandbox's own frames
     assert rs[9].stderr.startswith('  File "<code>", line 1') and rs[9].stderr.endswith("SyntaxError: invalid syntax\n")
     assert "sandbox" not in rs[9].stderr and "Traceback" not in rs[9].stderr
@@ -208,7 +212,7 @@ def test_worker_killed_mid_call_is_replaced(pool):
     t.join()
     assert out["r"].status == "crash" and out["r"].duration < pool.timeout, out["r"]
     assert pool.map(["print(2)"] * 4)[0].stdout == "2\n"
-    assert eventually(lambda: len(worker_pids()) == pool.workers) and busy[0] not in worker_pids()
+    assert eventually(lambda: len(worker_pids()) == 2 * pool.workers) and busy[0] not in worker_pids()
 
 
 def test_wedged_worker_is_replaced(pool):
@@ -221,7 +225,7 @@ def test_wedged_worker_is_replaced(pool):
     t.join()
     assert out["r"].status == "crash" and pool.timeout < out["r"].duration < pool.timeout + sandbox.GRACE + 1
     assert pool.map(["print(3)"])[0].stdout == "3\n"
-    assert eventually(lambda: len(worker_pids()) == pool.workers) and busy[0] not in worker_pids()
+    assert eventually(lambda: len(worker_pids()) == 2 * pool.workers) and busy[0] not in worker_pids()
 
 
 def eventually(cond, seconds=10.0):
@@ -276,7 +280,7 @@ def test_unshare_fallback():
         assert [r.status for r in rs] == ["error", "error", "ok", "ok", "timeout", "ok"], rs
         assert "unreachable" in rs[0].stderr and "Read-only" in rs[1].stderr
         assert rs[2].stdout.split()[1] == "True" if ROOT else True
-        assert len(descendants() - procs) == 2  # unshare and the worker: the setsid child is gone
+        assert len(descendants() - procs) == 4  # unshare + worker, lean and rich: the setsid child is gone
     assert descendants() == procs and host_call_dirs() == before
 
 
@@ -285,9 +289,9 @@ def test_isolation_none_still_limits_and_cleans_up():
     pool = SandboxPool(workers=1, timeout=1.0, isolation="none").start()
     try:
         rs = pool.map(["print(sum(range(10)))", "import time\ntime.sleep(100)", "x = bytearray(50 * 2**30)",
-                       "import subprocess\nsubprocess.Popen(['sleep', '100'])"])
+                       "import os\nos.fork() or os.execvp('sleep', ['sleep', '100'])"])
         assert [r.status for r in rs] == ["ok", "timeout", "memory", "ok"], rs
-        assert len(descendants() - procs) == 1 and host_call_dirs() == before  # the process group was killed
+        assert len(descendants() - procs) == 2 and host_call_dirs() == before  # lean + rich worker: the group was killed
         # close() answers what is still queued: one call runs, the ones behind it are told the pool shut down
         out = {}
         t = threading.Thread(target=lambda: out.update(r=pool.map(["import time\ntime.sleep(0.8)"] + ["print(1)"] * 3)))
@@ -401,7 +405,7 @@ def test_soak_10k_calls():
     bad = [(c, r) for c, r in zip(cases, results)
            if r.status != c[2] or (c[3] is not None and (r.stdout, r.value) != (c[3], c[4]))]
     assert not bad, f"{len(bad)} wrong answers, e.g. {bad[:3]}"
-    assert len(procs) == 2 * 2  # bwrap (or unshare) + worker each: nothing else alive
+    assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap or unshare, worker): nothing else alive
     # only its own dir (plus a checkout or venv under /tmp, bound back read-only)
     bound = {p.split("/")[2] for p in sandbox._under_tmp()}
     assert all(r.status == "ok" and len(set(eval(r.stdout)) - bound) == 1 for r in listing), listing
