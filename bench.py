@@ -240,16 +240,16 @@ class Forced(torch.nn.Module):
         super().__init__()
         self.model, self.cfg, self.force_, self.at = model, model.cfg, force_, {}  # at: row -> [turn, k]
 
-    def forward_cached(self, input_ids, cache, rows, last_only=False):
+    def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         slots = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
         for r in slots:
             if cache.lengths[r] == 0:
                 self.at[r] = [0, 0]
-            elif input_ids.shape[1] > 1:
+            elif n_new is not None or input_ids.shape[1] > 1:  # a prefill: a tool response
                 self.at[r] = [self.at[r][0] + 1, 0]
             else:
                 self.at[r][1] += 1
-        logits = self.model.forward_cached(input_ids, cache, rows, last_only)  # (B, T, V)
+        logits = self.model.forward_cached(input_ids, cache, rows, last_only, n_new)  # (B, T, V)
         self.force_(logits[:, -1], [self.at[r][0] for r in slots], [self.at[r][1] for r in slots])
         return logits
 

@@ -317,11 +317,15 @@ class Qwen(nn.Module):
         return torch.cat([o[0] for o in outs]).view(B, T), torch.cat([o[1] for o in outs]).view(B, T)
 
     @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
-    def forward_cached(self, input_ids, cache, rows, last_only=False):
+    def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         """T new tokens for each of B cache rows -> logits (B, T, V), or (B, 1, V) with last_only.
 
         rows: a slice of contiguous rows (fast path, views only) or a LongTensor (B,) of row indices.
         Row b's tokens get positions lengths[b] + arange(T); afterwards lengths[rows] += T.
+        n_new (B,) ints, for prefilling rows of different lengths in one forward: only the first
+        n_new[b] tokens of row b are real, the rest right padding (written past the row's length, so
+        never seen, and overwritten later); lengths[rows] += n_new, and last_only picks each row's
+        last real token. Every row still needs room for all T (lengths + T <= max_len).
         """
         B, T = input_ids.shape
         if isinstance(rows, slice):
@@ -333,6 +337,8 @@ class Qwen(nn.Module):
             if rows.shape != (B,) or rows.unique().numel() != B:
                 raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
+        if n_new is not None and not (torch.as_tensor(n_new).shape == (B,) and 1 <= min(n_new) and max(n_new) <= T):
+            raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n_new}")
         if (lengths + T > cache.max_len).any():
             b = int((lengths + T > cache.max_len).nonzero()[0])
             raise ValueError(f"KV cache overflow: row {b} of this call holds {int(lengths[b])} tokens, "
@@ -352,8 +358,14 @@ class Qwen(nn.Module):
         cos, sin = rope_cos_sin(pos, self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
-        x = self.model.norm(x[:, -1:] if last_only else x)
-        cache.lengths[rows] += T
+        if n_new is None:
+            x = x[:, -1:] if last_only else x
+            cache.lengths[rows] += T
+        else:
+            n_new = torch.as_tensor(n_new, dtype=torch.long).cpu()
+            x = x[torch.arange(B), n_new - 1][:, None] if last_only else x  # (B, 1, D): last real tokens
+            cache.lengths[rows] += n_new
+        x = self.model.norm(x)
         return F.linear(x, self.head_weight())  # (B, T or 1, V)
 
 

@@ -9,6 +9,9 @@ How one engine works (this is the paper's §3.2 idea in plain torch):
 - requests are claimed only while rows are free; a finished row frees its space at once and the next
   request is prefilled into it while the other rows keep decoding (continuous batching).
 - samples of the same prompt share the prefill: it is computed once, then the KV row is copied.
+- the prefills of one step (newly admitted prompts, tool responses of resumed rows) run as one
+  forward, right-padded to the longest: each prefill reads all weights once, so batching them
+  matters as much as batching the decode steps.
 - a row whose assistant turn ends (`<|im_end|>`) is parsed with agent.py; its tool calls go to the
   sandbox pool (running on a background thread) and the row is *parked* with its KV kept; other rows
   keep decoding. When the answers arrive, the tool-response tokens (+ the next
@@ -139,15 +142,19 @@ class Engine:
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
         while rows or not exhausted:
             # 1. admit new requests into free rows, one prefill per distinct prompt
+            todo = []  # prefills: (row, new token ids, rows that then copy its KV)
             if free and not exhausted:
                 reqs = claim(len(free))
                 exhausted = not reqs
-                self.admit(reqs, free, rows, budget)
+                todo += self.admit(reqs, free, rows, budget)
             # 2. resume parked rows whose tool answers have all arrived
             for row in [r for r in rows.values() if r.calls is not None]:
                 if all(f is None or f.done() for _, f in row.calls):
-                    self.resume(row)
-            # 3. sample one token for every row that has logits, then one batched decode step
+                    todo += self.resume(row)
+            # 3. the prompts and tool responses of this step go through the model together
+            if todo:
+                self.prefill(todo)
+            # 4. sample one token for every row that has logits, then one batched decode step
             ready = [r for r in rows.values() if r.logits is not None]
             waiting = [f for r in rows.values() if r.calls for _, f in r.calls if f is not None]
             if ready:
@@ -161,7 +168,7 @@ class Engine:
                 t0 = time.perf_counter()
                 concurrent.futures.wait(waiting, timeout=0.05, return_when="FIRST_COMPLETED")
                 self.stats["tool_wait_s"] += time.perf_counter() - t0
-            # 4. free the rows that finished
+            # 5. free the rows that finished
             for row in [r for r in rows.values() if r.traj.finish]:
                 del rows[row.slot]
                 self.cache.reset_row(row.slot)
@@ -177,24 +184,40 @@ class Engine:
     # the pieces of one engine step
 
     def admit(self, reqs, free, rows, budget):
-        first = None
+        """Claimed requests take free rows. Returns their prefills: one per distinct prompt, whose KV
+        the other samples of that prompt then copy (prefix sharing)."""
+        todo = []
         for req in reqs:
             n = len(req.prompt_ids)
             if n + 1 > self.max_len:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
             row = Row(req, free.pop(), row_generator(self.seed, req.key, self.device),
                       min(budget, self.max_len - n))
-            if first is not None and first.req.prompt_ids == req.prompt_ids:
-                self.cache.copy_row(first.slot, row.slot)  # shared prefill: copy the prompt's KV
-                row.logits = first.logits.clone()
+            if todo and todo[-1][0].req.prompt_ids == req.prompt_ids:
+                todo[-1][2].append(row)
             else:
-                ids = torch.tensor([req.prompt_ids], device=self.device)
-                logits = self.model.forward_cached(ids, self.cache, slice(row.slot, row.slot + 1), last_only=True)
-                row.logits = logits[0, -1].float()
-                self.stats["prefill_tokens"] += n
-                first = row
+                todo.append((row, req.prompt_ids, []))
             rows[row.slot] = row
             self.log("admit", row, slot=row.slot)
+        return todo
+
+    def prefill(self, todo):
+        """One forward over the new tokens of several rows (prompts, tool responses), right-padded to
+        the longest; a row without room for the padded length in its cache row goes alone."""
+        T = max(len(ids) for _, ids, _ in todo)
+        room = [int(self.cache.lengths[row.slot]) + T <= self.max_len for row, _, _ in todo]
+        together = [it for it, ok in zip(todo, room) if ok]
+        for group in [together] * bool(together) + [[it] for it, ok in zip(todo, room) if not ok]:
+            n = [len(ids) for _, ids, _ in group]
+            ids = torch.tensor([ids + [0] * (max(n) - len(ids)) for _, ids, _ in group], device=self.device)
+            slots = torch.tensor([row.slot for row, _, _ in group])
+            logits = self.model.forward_cached(ids, self.cache, slots, last_only=True, n_new=n)[:, -1].float()
+            self.stats["prefill_tokens"] += sum(n)
+            for (row, _, copies), lg in zip(group, logits):
+                row.logits = lg
+                for other in copies:
+                    self.cache.copy_row(row.slot, other.slot)
+                    other.logits = lg.clone()
 
     def sample(self, rows):
         """Temperature / top-p sampling, one generator per row. Returns tokens and their log-probs
@@ -250,6 +273,8 @@ class Engine:
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):
+        """Append the tool answers; returns the row's prefill (its last sampled token + the answers), or
+        nothing when they do not fit its budget."""
         t = row.traj
         for rec, fut in row.calls:
             if fut is not None:
@@ -262,15 +287,13 @@ class Engine:
         self.log("tool_done", row)
         if len(t.response_ids) + len(suffix) >= row.budget:
             t.finish = "length"  # stop before appending: a trajectory always ends on a model turn
-            return
+            return []
         t.response_ids += suffix
         t.mask += [0] * len(suffix)
         t.logprobs += [0.0] * len(suffix)
         row.turn_start = len(t.response_ids)
-        ids = torch.tensor([row.pending + suffix], device=self.device)
-        logits = self.model.forward_cached(ids, self.cache, slice(row.slot, row.slot + 1), last_only=True)
-        self.stats["prefill_tokens"] += ids.shape[1]
-        row.pending, row.logits = [], logits[0, -1].float()
+        ids, row.pending = row.pending + suffix, []
+        return [(row, ids, [])]
 
     def decode(self, rows):
         """One decode step: the pending token of every row goes through the model together."""

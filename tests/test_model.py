@@ -170,6 +170,33 @@ def test_incremental_decoding_matches_full_forward(pair):
     check_decoding(pair[1])
 
 
+def test_batched_prefill_of_rows_at_different_lengths(pair):
+    """one forward with right-padded new tokens (n_new) == the full forward over each row's sequence,
+    for rows that already hold different lengths; the padding never shows up afterwards"""
+    ours = pair[1]
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(ours.cfg, num_rows=4, max_len=32, device="cpu", dtype=torch.float32)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in (0, 4, 9, 2)]
+    with torch.no_grad():
+        for r, p in enumerate(seqs):
+            if len(p):
+                ours.forward_cached(p[None], cache, slice(r, r + 1))
+        new = [torch.randint(0, V, (n,), generator=g) for n in (6, 1, 3, 6)]  # a prompt, tool responses
+        ids = torch.stack([F.pad(t, (0, 6 - len(t)), value=V - 1) for t in new])  # right padding
+        rows = torch.tensor([2, 0, 3, 1])  # any order of rows
+        out = ours.forward_cached(ids[rows], cache, rows, last_only=True, n_new=[len(new[r]) for r in rows])
+        assert out.shape == (4, 1, V) and cache.lengths.tolist() == [len(s) + len(t) for s, t in zip(seqs, new)]
+        for b, r in enumerate(rows.tolist()):
+            seqs[r] = torch.cat([seqs[r], new[r]])
+            assert (out[b, 0] - ours(seqs[r][None])[0, -1]).abs().max() < 1e-4, f"row {r}"
+        step = torch.randint(0, V, (4, 1), generator=g)  # a decode step after it: the pads are invisible
+        out = ours.forward_cached(step, cache, slice(0, 4))
+        for r in range(4):
+            assert (out[r, 0] - ours(torch.cat([seqs[r], step[r]])[None])[0, -1]).abs().max() < 1e-4, f"row {r}"
+        with pytest.raises(ValueError, match="n_new"):
+            ours.forward_cached(ids[:2], cache, slice(0, 2), n_new=[7, 1])
+
+
 def check_decoding(ours):
     """prefill rows at different lengths, share a prefix, decode over slice and permuted rows, extend
     one row by several tokens: every logit equals the full forward over the row's whole sequence"""

@@ -64,16 +64,17 @@ class Script(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(1))
         self.scripts, self.vocab, self.state = scripts, vocab, {}
 
-    def forward_cached(self, input_ids, cache, rows, last_only=False):
+    def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         idx = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
+        n_new = [input_ids.shape[1]] * len(idx) if n_new is None else list(n_new)
         out = torch.zeros(len(idx), 1, self.vocab)
         for b, r in enumerate(idx):
             if cache.lengths[r] == 0:
-                self.state[r] = [self.scripts[tuple(input_ids[b].tolist())], 0]
+                self.state[r] = [self.scripts[tuple(input_ids[b, :n_new[b]].tolist())], 0]
             script, i = self.state[r]
             out[b, 0, script[i]] = 100.0
             self.state[r][1] += 1
-            cache.lengths[r] += input_ids.shape[1]
+            cache.lengths[r] += n_new[b]
         return out
 
 
@@ -151,8 +152,8 @@ def test_kv_capacity_never_exceeded_and_seeding_ignores_batch_composition(tiny):
         seen = []
         real = model.forward_cached
 
-        def checked(ids, cache, idx, last_only=False):
-            out = real(ids, cache, idx, last_only)
+        def checked(ids, cache, idx, last_only=False, n_new=None):
+            out = real(ids, cache, idx, last_only, n_new)
             assert int(cache.lengths.sum()) <= capacity and int(cache.lengths.max()) <= cache.max_len
             seen.append(int((cache.lengths > 0).sum()))
             return out
