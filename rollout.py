@@ -104,10 +104,11 @@ class ToolRunner:
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=1024,
-                 log_events=False):
+                 prefill_tokens=16384, log_events=False):
         self.model, self.tok, self.tools = model, tokenizer, tools
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
         self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
+        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
         param = next(model.parameters())
         self.device, self.num_rows = param.device, kv_capacity // max_len
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
@@ -202,22 +203,30 @@ class Engine:
         return todo
 
     def prefill(self, todo):
-        """One forward over the new tokens of several rows (prompts, tool responses), right-padded to
-        the longest; a row without room for the padded length in its cache row goes alone."""
-        T = max(len(ids) for _, ids, _ in todo)
-        room = [int(self.cache.lengths[row.slot]) + T <= self.max_len for row, _, _ in todo]
-        together = [it for it, ok in zip(todo, room) if ok]
-        for group in [together] * bool(together) + [[it] for it, ok in zip(todo, room) if not ok]:
-            n = [len(ids) for _, ids, _ in group]
-            ids = torch.tensor([ids + [0] * (max(n) - len(ids)) for _, ids, _ in group], device=self.device)
-            slots = torch.tensor([row.slot for row, _, _ in group])
-            logits = self.model.forward_cached(ids, self.cache, slots, last_only=True, n_new=n)[:, -1].float()
-            self.stats["prefill_tokens"] += sum(n)
-            for (row, _, copies), lg in zip(group, logits):
-                row.logits = lg
-                for other in copies:
-                    self.cache.copy_row(row.slot, other.slot)
-                    other.logits = lg.clone()
+        """The new tokens of several rows (prompts, tool responses) through the model together: shortest
+        first, right-padded, in forwards of at most `prefill_tokens` padded tokens (which bounds activation
+        memory), each row with room in its cache row for the padded length."""
+        group, held = [], 0  # held: the most tokens a row of the group already has in the cache
+        for item in sorted(todo, key=lambda it: len(it[1])):
+            T, n = len(item[1]), int(self.cache.lengths[item[0].slot])  # T: the group's padded length
+            if group and (T * (len(group) + 1) > self.prefill_tokens or max(held, n) + T > self.max_len):
+                self.prefill_group(group)
+                group, held = [], 0
+            group.append(item)
+            held = max(held, n)
+        self.prefill_group(group)
+
+    def prefill_group(self, group):
+        n = [len(ids) for _, ids, _ in group]
+        ids = torch.tensor([ids + [0] * (max(n) - len(ids)) for _, ids, _ in group], device=self.device)
+        slots = torch.tensor([row.slot for row, _, _ in group])
+        logits = self.model.forward_cached(ids, self.cache, slots, last_only=True, n_new=n)[:, -1].float()
+        self.stats["prefill_tokens"] += sum(n)
+        for (row, _, copies), lg in zip(group, logits):
+            row.logits = lg
+            for other in copies:
+                self.cache.copy_row(row.slot, other.slot)  # shared prefill: the samples copy the prompt's KV
+                other.logits = lg.clone()
 
     def sample(self, rows):
         """Temperature / top-p sampling, one generator per row. Returns tokens and their log-probs

@@ -6,8 +6,8 @@ released executor (code-judge) starts a fresh `python3` per call and isolates no
 Here a few warm worker interpreters fork a short-lived child per call, so imports are paid once per
 worker instead of once per call, and every worker lives inside its own namespace sandbox. A fork
 costs in proportion to the parent's resident memory, so each slot keeps two workers: a lean one (the
-math stdlib, ~9 MB) for code that does not name numpy, sympy or mpmath, and a rich one with numpy
-and sympy imported and warmed (~57 MB). Trivial calls then cost ~2.5 ms instead of ~6.
+math stdlib, ~9 MB) for code that imports only the standard library, and a rich one with numpy
+and sympy imported and warmed (~57 MB) for the rest. Trivial calls then cost ~2.5 ms instead of ~6.
 
     with SandboxPool(workers=2, timeout=4.0) as pool:                   # scripts and tests
         results = pool.map([("print(int(input()) * 2)", "21\\n"), "1 + 1"])
@@ -23,7 +23,7 @@ Layout (one box per worker, two workers per slot; a worker is `python -I sandbox
       run() / map() ─► FIFO queue            ┌────────────────────────────────────────────────────┐
       one thread per slot ─── JSON line ──► │ worker = pid 1 of the namespace, lean or rich warm │
         watchdog: timeout + 2 s   ◄───────── │  per call: fork ─► child: setsid, rlimits, uid     │
-                                             │  65534-i, cwd /tmp/call-*, exec(code) as __main__  │
+                                             │  65534-i, cwd /tmp/call-*/cwd, exec(code)          │
                                              │  wall deadline, then SIGKILL to every other pid    │
                                              └────────────────────────────────────────────────────┘
 
@@ -52,20 +52,20 @@ stdout and stderr are cut at `output_cap` bytes each; a line in stderr says how 
 
 What it protects against (each one is a test in tests/test_sandbox.py):
   - hangs and busy loops (wall deadline kills the whole process group and namespace), fork bombs
-    (RLIMIT_NPROC, counted per worker uid), memory blow-ups (RLIMIT_AS), huge files and outputs
+    (RLIMIT_NPROC, counted per slot uid), memory blow-ups (RLIMIT_AS), huge files and outputs
     (RLIMIT_FSIZE, a sized /tmp, output caps), crashes and self-kills of the worker (it is replaced
     and the call answered `crash`), stray threads and processes after the code returns (killed),
     processes that ignore SIGTERM or leave the process group (SIGKILL to the whole pid namespace);
   - writes to the host (read-only view of /), network access (empty network namespace: no
     interfaces but loopback, which is not the host's), secrets in the trainer's environment (workers
     get a fresh minimal environment), signals to or ptrace of the trainer (other pid namespace);
-  - privilege: as root, code runs as a non-root uid (65534 - worker index) with no capabilities and
+  - privilege: as root, code runs as a non-root uid (65534 - slot index) with no capabilities and
     no_new_privs; as a normal user, with that user's uid in a user namespace.
 What it does not protect against:
   - kernel exploits: there is no seccomp filter, so the whole syscall surface is reachable;
   - reading the host: everything the uid may read on the host is readable (read-only is not hidden);
   - a strict memory cap per call: RLIMIT_AS is per process, so a call may use up to
-    (processes allowed) x `memory`; a cgroup per worker would be the fix;
+    (processes allowed) x `memory`; a cgroup per slot would be the fix;
   - CPU fairness: a call can use its whole time budget on one core, and can starve other workers'
     calls on an oversubscribed machine;
   - with isolation="none" (the explicit opt-out): none of the namespace protections above apply, and
@@ -81,7 +81,6 @@ import json
 import linecache
 import math
 import os
-import re
 import resource
 import select
 import shutil
@@ -93,7 +92,7 @@ import time
 import traceback
 import types
 
-NPROC = 64         # processes + threads one call may have (per uid, so per worker when we run as root)
+NPROC = 64         # processes + threads one call may have (per uid, so per slot when we run as root)
 NOFILE = 256       # open files per call process
 
 # ------------------------------------------------------------------------------------------------
@@ -101,7 +100,7 @@ NOFILE = 256       # open files per call process
 
 # Every worker preloads the cheap math modules. Fork costs grow with the parent's resident memory (page
 # tables to copy, pages to copy-on-write and to free again), and numpy + sympy make a worker ~5x bigger,
-# so each slot has two: a lean worker for code that names neither, and a rich one with both warm.
+# so each slot has two: a lean worker for code that imports only the standard library, and a rich one.
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
            "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy")
@@ -150,12 +149,17 @@ def _worker_main(cfg):
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
         rep.write((json.dumps(out) + "\n").encode())
         rep.flush()
+    _rmtree(os.path.dirname(cfg["tmp"]))  # with isolation="none" it is on the host's /tmp
 
 
 def _prepare_calls(cfg, libc):
     """What every call's child would otherwise set up itself: done once here, inherited by each fork
     (each step a child skips is pages it does not copy-on-write)."""
-    cfg["tmp"] = os.path.join(tempfile.gettempdir(), f"call-{os.getpid()}")  # made and removed per call
+    # the call's directory: one path per worker, made and removed per call, inside a fresh directory
+    # (a name no one can guess) that only we may change: as root, a call cannot move its own away
+    base = tempfile.mkdtemp(prefix="call-")
+    os.chmod(base, 0o711)
+    cfg["tmp"] = os.path.join(base, "cwd")
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
@@ -262,15 +266,16 @@ def _warm(rich):
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
                 if hi > lo:
                     libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
-    sys.stdout.flush(), sys.stderr.flush()  # the call's children inherit these wrappers: leave them empty
 
 
 def _call(code, stdin, timeout, cfg, vm, libc):
     """Run one call in a forked child; return the Result fields as a dict."""
     cap, uid, pid1, tmp = cfg["output_cap"], cfg["uid"], os.getpid() == 1, cfg["tmp"]
-    if os.path.lexists(tmp):  # left by a worker that died mid-call (only with isolation="none")
+    try:
+        os.mkdir(tmp, 0o700)
+    except FileExistsError:  # the last call (as our own uid) put something in its place
         _rmtree(tmp)
-    os.mkdir(tmp, 0o700)
+        os.mkdir(tmp, 0o700)
     if uid is not None:
         os.chown(tmp, uid, uid)
     stdin_fd = os.memfd_create("stdin")
@@ -279,6 +284,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ctl_r, ctl_w = os.pipe()
+    sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -350,7 +356,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     except OSError:
         _rmtree(tmp)
     # 3) decide the status (the rules are in the module docstring)
-    ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").partition("\n")
+    # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
+    ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").rpartition("\0")[2].partition("\n")
     note = ""
     if timed_out:
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
@@ -431,7 +438,7 @@ def _child(code, tmp, timeout, cfg, vm, libc, fds):
                 f.flush()
             except BaseException:
                 pass
-        msg = (status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
+        msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
         while msg:
             msg = msg[os.write(3, msg):]
     except BaseException:
@@ -444,6 +451,10 @@ def _child(code, tmp, timeout, cfg, vm, libc, fds):
 
 
 def _rmtree(path):
+    if os.path.islink(path) or not os.path.isdir(path):  # the code moved it, or put something in its place
+        if os.path.lexists(path):
+            os.unlink(path)  # (never chmod through a link it planted)
+        return
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):  # the code chmod-ed something shut: open directories up and retry
         os.chmod(path, 0o700)
@@ -491,7 +502,6 @@ START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (
 # worker capabilities when the pool runs as root: enough to drop to a uid, hand it a directory,
 # kill its leftovers and remove what it wrote; the child itself keeps none of them
 ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
-NEEDS_RICH = re.compile(r"\b(numpy|sympy|mpmath)\b")  # mpmath is imported by sympy
 
 
 @dataclasses.dataclass
@@ -504,7 +514,7 @@ class Result:
 
 
 # ------------------------------------------------------------------------------------------------
-# the pool: lives in the trainer; one thread per worker moves calls from a FIFO to its worker
+# the pool: lives in the trainer; one thread per slot moves calls from a FIFO to its workers
 
 
 class SandboxPool:
@@ -616,7 +626,7 @@ class SandboxPool:
         if not self._running or self._closed:
             raise RuntimeError("SandboxPool is not running: use it inside `with` / `async with`, or call start()")
         line = (json.dumps({"code": code, "stdin": stdin, "timeout": timeout}) + "\n").encode()
-        call = (time.monotonic(), line, concurrent.futures.Future(), timeout, bool(NEEDS_RICH.search(code)))
+        call = (time.monotonic(), line, concurrent.futures.Future(), timeout, _needs_rich(code))
         with self._cond:
             self._queue.append(call)
             self._cond.notify()
@@ -644,46 +654,51 @@ class SandboxPool:
                     return None
                 self._cond.wait()
 
-    # -- one thread per worker (the thread also spawns it: bwrap --die-with-parent follows this thread)
+    # -- one thread per slot (the thread also spawns its workers: bwrap --die-with-parent follows it)
 
     def _serve(self, slot):
-        procs = {}  # rich: False/True -> the slot's lean and rich worker
+        procs = {False: None, True: None}  # the slot's lean and rich worker
         try:
-            procs = {rich: self._spawn(slot, rich) for rich in (False, True)}
+            for rich in procs:
+                procs[rich] = self._spawn(slot, rich)
         except Exception as e:
             self._errors[slot] = e
         self._ready[slot].set()
-        while len(procs) == 2:
+        if self._errors.get(slot):
+            for proc in procs.values():
+                _stop(proc, kill=True)
+            return
+        while True:
+            try:  # replace a worker that died (idle, or in the last call) before taking a call
+                for rich, proc in procs.items():
+                    if proc is None or proc.poll() is not None:
+                        _stop(proc, kill=True)
+                        procs[rich] = None
+                        procs[rich] = self._spawn(slot, rich)
+            except Exception:
+                # could not restart: back off; queued calls go to other slots or expire as overloaded
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, timeout=1.0)
+                    if self._closed:
+                        break
+                continue
             call = self._take()
             if call is None:
                 break
             _, line, fut, timeout, rich = call
-            proc, result = procs[rich], None
-            if proc is None or proc.poll() is not None:  # it died while idle, or could not be restarted
+            proc, start, result = procs[rich], time.monotonic(), None
+            try:
+                _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
+                reply = _read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
+                if reply is not None:
+                    result = Result(**json.loads(reply))
+            except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
+                pass
+            if result is None:  # died, or no answer in time: answer the call, replace the worker
                 _stop(proc, kill=True)
-                try:
-                    procs[rich] = proc = self._spawn(slot, rich)
-                except Exception as e:
-                    procs[rich] = proc = None
-                    result = Result("crash", "", f"[sandbox] could not restart a worker: {e}", "", 0.0)
-            start = time.monotonic()
-            if proc is not None:
-                try:
-                    _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
-                    reply = _read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
-                    if reply is not None:
-                        result = Result(**json.loads(reply))
-                except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
-                    pass
-                if result is None:  # died, or no answer in time: replace it now, answer the call
-                    _stop(proc, kill=True)
-                    procs[rich] = None
-                    result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced",
-                                    "", time.monotonic() - start)
-                    try:
-                        procs[rich] = self._spawn(slot, rich)
-                    except Exception:  # tried again at its next call
-                        pass
+                procs[rich] = None
+                result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
+                                time.monotonic() - start)
             fut.set_result(result)
         for proc in procs.values():
             _stop(proc, kill=False)
@@ -723,6 +738,23 @@ class SandboxPool:
                                "); install bubblewrap (apt-get install -y bubblewrap) or pass isolation='none' "
                                "to run untrusted code on this host without isolation")
         raise RuntimeError(f"sandbox: worker {slot} failed to start ({'; '.join(failures)})")
+
+
+def _needs_rich(code):
+    """Code that imports anything outside the standard library (numpy, sympy, scipy, ...) runs in the
+    rich worker, where numpy and sympy are warm; the rest forks from the lean one."""
+    if "import" not in code:
+        return False
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False  # it fails at once either way
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+        if any(n.split(".")[0] not in sys.stdlib_module_names for n in names):
+            return True
+    return "__import__" in code or "import_module" in code  # a computed name: assume the worst
 
 
 def _wrapper(mode, root, memory):

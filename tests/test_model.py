@@ -171,9 +171,12 @@ def test_incremental_decoding_matches_full_forward(pair):
 
 
 def test_batched_prefill_of_rows_at_different_lengths(pair):
+    check_batched_prefill(pair[1])
+
+
+def check_batched_prefill(ours):
     """one forward with right-padded new tokens (n_new) == the full forward over each row's sequence,
     for rows that already hold different lengths; the padding never shows up afterwards"""
-    ours = pair[1]
     g = torch.Generator().manual_seed(3)
     cache = KVCache(ours.cfg, num_rows=4, max_len=32, device="cpu", dtype=torch.float32)
     seqs = [torch.randint(0, V, (n,), generator=g) for n in (0, 4, 9, 2)]
@@ -292,6 +295,7 @@ def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
         assert (ours(ids, mask) - sdpa_padded)[mask.bool()].abs().max() < 1e-4
         assert (ours(ids) - sdpa_plain).abs().max() < 1e-4
     check_decoding(ours)
+    check_batched_prefill(ours)
     flash_layout = (8, ours.cfg.num_key_value_heads, ours.cfg.head_dim)  # (max_len, Hkv, hd)
     assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32).k.shape[2:] == flash_layout
 

@@ -42,15 +42,24 @@ def test_greedy_equals_transformers_one_prompt_at_a_time(tiny):
     path, tok, hf = tiny
     model = load_model(path)
     prompts = prompts_of(tok, 7)
-    # 3 rows for 7 prompts: rows finish and new prompts are admitted while others are mid-decode
-    engine = Engine(model, tok, kv_capacity=3 * 160, max_len=160)
-    outs = engine.generate(prompts, max_new_tokens=24)
-    stop = sorted(engine.stop_ids)
-    for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=stop,
-                          pad_token_id=0)[0, len(p):].tolist()
-        assert o == ref
-    assert engine.stats["decode_steps"] < sum(len(o) for o in outs)  # rows really were batched
+    stop = sorted(Engine(model, tok, kv_capacity=160, max_len=160).stop_ids)
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=stop,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    # 3 rows for 7 prompts: rows finish and new prompts are admitted while others are mid-decode, their
+    # prompts prefilled together (right-padded); then 7 rows with prefills split into forwards of <= 60 tokens
+    for rows, prefill_tokens in ((3, 16384), (7, 60)):
+        engine = Engine(model, tok, kv_capacity=rows * 160, max_len=160, prefill_tokens=prefill_tokens)
+        forwards = []
+        real = model.forward_cached
+        model.forward_cached = lambda ids, *a, **k: forwards.append(ids.shape) or real(ids, *a, **k)
+        try:
+            outs = engine.generate(prompts, max_new_tokens=24)
+        finally:
+            del model.forward_cached
+        assert outs == refs
+        assert engine.stats["decode_steps"] < sum(len(o) for o in outs)  # rows really were batched
+        prefills = [s for s in forwards if s[1] > 1]
+        assert max(b for b, _ in prefills) > 1 and max(b * t for b, t in prefills) <= prefill_tokens
 
 
 class Script(torch.nn.Module):
