@@ -3,8 +3,8 @@ Side-by-side speed benchmarks of our rollout engine (rollout.Engine + model.forw
 transformers' `generate`, on the same random model in the same process. Benchmarks, not timed tests:
 they print tables with both sides and the ratio; nothing asserts a speed.
 
-    python bench.py            # a, b and c below (~3 minutes on one thread of a 2-core CPU)
-    python bench.py a          # or b, c, p (p: profile, not part of the default run)
+    python bench.py            # a, l, b and c below (~5 minutes on one thread of a 2-core CPU)
+    python bench.py a          # or l, b, c, p (p: profile, not part of the default run)
     python bench.py --threads=2 --reps=5
 
 The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
@@ -21,6 +21,12 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     that is the bound a decode step can reach on this CPU. "square" = one 2048^3 matmul, the machine's
     best fp32 rate. The "+prefill" column also counts the prompt tokens' FLOPs as useful work; "steps"
     is the decode steps alone (a run of 1 new token is timed too: it is the prefill).
+(l) single-turn greedy where answers end at long-tailed lengths (lognormal, mean ~64 tokens, at most
+    256; the end is forced as an <|im_end|> at each prompt's target length, the model's argmax decides
+    the rest): 192 prompts. Ours: Engine.generate with 64 rows, a finished row admitting the next
+    prompt at once. transformers: `generate` on batches of 64, each batch decoding until its longest
+    answer ends (finished rows keep their seat). Same answers on both sides. This is what continuous
+    batching is for; (a) is the same work on both sides by construction.
 (b) multi-turn with two tool calls per sample: 3 assistant turns of TURN_LEN tokens with 2 fixed tool
     responses in between. The real model computes every token; only the turn boundaries are forced:
     the last tokens of turns 1-2 are forced to a parseable <tool_call> block + <|im_end|>, the last token
@@ -106,7 +112,7 @@ def build_models(path, n_prompts):
     """the tokenizer, the random Qwen3 saved to path, loaded by us and by transformers, and prompts"""
     problems = data.make_problems(n_prompts, seed=0)
     texts = [agent.prompt_text(p["question"]) + CALL_TEXT + agent.END + agent.tool_suffix_text([STDOUT.strip()])
-             for p in problems]
+             for p in problems[:64]]  # the vocabulary does not depend on how many prompts a run needs
     tok = data.train_tokenizer(texts)
     cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                                    num_key_value_heads=4, head_dim=32, intermediate_size=768,
@@ -199,6 +205,85 @@ def print_single_turn(res, square):
         print(f"{r['B']:>5} {'ours / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_ours']):>7} | same tokens "
               f"{r['same']}/{r['B']} rows | prompts {min(r['plen'])}-{max(r['plen'])} tokens | mix "
               f"{r['mix'] / 1e9:.1f} GFLOP/s | {r['rounds']} rounds | load {r['load']:.2f}")
+
+
+# -----------------------------------------------------------------------------
+# (a') single-turn with long-tailed lengths: what continuous batching buys
+
+class StopAt(torch.nn.Module):
+    """Our model with each prompt's answer ending (<|im_end|>) exactly at its target length; before it
+    the stop tokens are masked out, the model's argmax decides the rest. To the engine, just a model."""
+
+    def __init__(self, model, force_):
+        super().__init__()
+        self.model, self.cfg, self.force_, self.at = model, model.cfg, force_, {}  # at: row -> [prompt, k]
+
+    def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
+        slots = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
+        n = [input_ids.shape[1]] * len(slots) if n_new is None else list(n_new)
+        for b, r in enumerate(slots):
+            if cache.lengths[r] == 0:  # a new prompt in this row
+                self.at[r] = [tuple(input_ids[b, :n[b]].tolist()), 0]
+            else:
+                self.at[r][1] += 1
+        logits = self.model.forward_cached(input_ids, cache, rows, last_only, n_new)
+        self.force_(logits[:, -1], [self.at[r][0] for r in slots], [self.at[r][1] for r in slots])
+        return logits
+
+
+def varied_lengths(ours, hf, tok, prompts, B, reps):
+    """len(prompts) answers whose lengths are long-tailed (lognormal, mean ~64 tokens, at most 256):
+    transformers: `generate` on batches of B prompts, each batch running until its longest answer ends;
+    ours: Engine.generate with B rows, a finished row taking the next prompt at once."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.empty(len(prompts)).log_normal_(3.8, 0.8, generator=g).clamp(4, 256)).long().tolist()
+    target = {tuple(p): n for p, n in zip(prompts, lengths)}
+    stop = torch.tensor(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+
+    def force_(scores, ps, ks):  # token k of the answer to prompt p
+        for b, (p, k) in enumerate(zip(ps, ks)):
+            scores[b, stop] = float("-inf")
+            if k == target[p] - 1:
+                scores[b] = float("-inf")
+                scores[b, stop[0]] = 0.0
+        return scores
+    L = max(map(len, prompts))
+    engine = Engine(StopAt(ours, force_), tok, kv_capacity=B * (L + 257), max_len=L + 257)
+
+    def run_ours():
+        engine.stats["decode_steps"] = 0
+        return engine.generate(prompts, 256)
+
+    @torch.no_grad()
+    def run_hf():
+        out = []
+        for i in range(0, len(prompts), B):
+            P = prompts[i:i + B]
+            ids, mask = left_pad(P, tok.pad_token_id)
+            proc = lambda input_ids, scores, P=P, start=ids.shape[1]: force_(  # noqa: E731
+                scores, [tuple(p) for p in P], [input_ids.shape[1] - start] * len(P))
+            o = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=256, do_sample=False,
+                            eos_token_id=int(stop[0]), pad_token_id=tok.pad_token_id,
+                            logits_processor=transformers.LogitsProcessorList([proc]))
+            out += [row[:row.index(int(stop[0])) + 1] for row in o[:, ids.shape[1]:].tolist()]
+        return out
+
+    a, b = run_ours(), run_hf()
+    same = sum(x == y for x, y in zip(a, b))
+    assert [len(x) for x in a] == lengths, "an answer did not end at its target length"
+    (t_ours, t_hf), n = medians([run_ours, run_hf], reps)
+    steps_hf = sum(max(lengths[i:i + B]) for i in range(0, len(prompts), B))
+    return dict(B=B, N=len(prompts), same=same, rounds=n, t_ours=t_ours, t_hf=t_hf, tokens=sum(lengths),
+                mean=statistics.mean(lengths), max=max(lengths), steps_ours=engine.stats["decode_steps"],
+                steps_hf=steps_hf, load=load())
+
+
+def print_varied_lengths(r):
+    for side, t in (("ours", r["t_ours"]), ("transformers", r["t_hf"])):
+        print(f"{side:<13} {t:>7.3f} s {r['tokens'] / t:>6.0f} tok/s")
+    print(f"{'ours / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_ours']):>7} | same answers {r['same']}/{r['N']} | "
+          f"answer lengths mean {r['mean']:.0f}, max {r['max']} | decode steps ours ~{r['steps_ours']} / HF "
+          f"{r['steps_hf']} | {r['rounds']} rounds | load {r['load']:.2f}")
 
 
 # -----------------------------------------------------------------------------
@@ -361,15 +446,15 @@ def profile(ours, tok, prompts, B, N):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
-    ap.add_argument("sections", nargs="*", default=["a", "b", "c"], help="a b c p (default: a b c)")
+    ap.add_argument("sections", nargs="*", default=["a", "l", "b", "c"], help="a l b c p (default: a l b c)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 unless the cores are idle)")
     ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
     ap.add_argument("--efficiency", type=float, default=None,
                     help="(c) without (a): the share of the bound to simulate with (default: measure it)")
     args = ap.parse_args()
-    unknown = set(args.sections) - set("abcp")
+    unknown = set(args.sections) - set("albcp")
     if unknown:
-        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a b c p")
+        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b c p")
     if args.threads < 1 or args.reps < 1:
         ap.error("--threads and --reps must be >= 1")
     torch.set_num_threads(args.threads)
@@ -383,7 +468,7 @@ if __name__ == "__main__":
           f"transformers {transformers.__version__} | fp32 | load average {load():.2f}")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        ours, hf, tok, prompts = build_models(tmp, max(max(BATCHES), MT_BATCH))
+        ours, hf, tok, prompts = build_models(tmp, max(3 * BATCHES[-1], MT_BATCH))
         c = ours.cfg
         print(f"model: qwen3 {c.num_hidden_layers} layers, width {c.hidden_size}, {c.num_attention_heads}/"
               f"{c.num_key_value_heads} heads of {c.head_dim}, MLP {c.intermediate_size}, vocab {c.vocab_size}, "
@@ -404,6 +489,12 @@ if __name__ == "__main__":
             fracs = ", ".join(f"B={x['B']} {100 * x['decode'] / x['t_ours'] / x['mix']:.0f}%" for x in res)
             print(f"goals: ours >= 1.5x transformers: {ratios} | ours >= 40% of the compute bound (mix): {fracs}")
             efficiency = efficiency or r["decode"] / r["t_ours"] / r["mix"]
+        if "l" in args.sections:
+            B = BATCHES[-1]
+            print(f"\n(l) single-turn greedy, {3 * B} prompts whose answers end at long-tailed lengths (forced "
+                  f"<|im_end|>); ours: Engine.generate with {B} rows, transformers: generate on batches of {B}")
+            r = varied_lengths(ours, hf, tok, prompts[:3 * B], B, args.reps)
+            print_varied_lengths(r)
         if "b" in args.sections:
             print(f"\n(b) multi-turn, {MT_BATCH} samples x 3 assistant turns of {TURN_LEN} tokens with 2 tool calls "
                   f"each; ours: Engine.run, transformers: generate per turn on the whole history")
