@@ -337,8 +337,10 @@ class Qwen(nn.Module):
             if rows.shape != (B,) or rows.unique().numel() != B:
                 raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
-        if n_new is not None and not (torch.as_tensor(n_new).shape == (B,) and 1 <= min(n_new) and max(n_new) <= T):
-            raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n_new}")
+        if n_new is not None:
+            n_new = torch.as_tensor(n_new, dtype=torch.long).cpu()
+            if n_new.shape != (B,) or not (1 <= n_new.min() and n_new.max() <= T):
+                raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n_new.tolist()}")
         if (lengths + T > cache.max_len).any():
             b = int((lengths + T > cache.max_len).nonzero()[0])
             raise ValueError(f"KV cache overflow: row {b} of this call holds {int(lengths[b])} tokens, "
@@ -362,7 +364,6 @@ class Qwen(nn.Module):
             x = x[:, -1:] if last_only else x
             cache.lengths[rows] += T
         else:
-            n_new = torch.as_tensor(n_new, dtype=torch.long).cpu()
             x = x[torch.arange(B), n_new - 1][:, None] if last_only else x  # (B, 1, D): last real tokens
             cache.lengths[rows] += n_new
         x = self.model.norm(x)

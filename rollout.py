@@ -9,9 +9,9 @@ How one engine works (this is the paper's §3.2 idea in plain torch):
 - requests are claimed only while rows are free; a finished row frees its space at once and the next
   request is prefilled into it while the other rows keep decoding (continuous batching).
 - samples of the same prompt share the prefill: it is computed once, then the KV row is copied.
-- the prefills of one step (newly admitted prompts, tool responses of resumed rows) run as one
-  forward, right-padded to the longest: each prefill reads all weights once, so batching them
-  matters as much as batching the decode steps.
+- the prefills of one step (newly admitted prompts, tool responses of resumed rows) run together,
+  right-padded, in forwards of up to `prefill_tokens` tokens: each forward reads all weights once,
+  so batching prefills matters as much as batching the decode steps.
 - a row whose assistant turn ends (`<|im_end|>`) is parsed with agent.py; its tool calls go to the
   sandbox pool (running on a background thread) and the row is *parked* with its KV kept; other rows
   keep decoding. When the answers arrive, the tool-response tokens (+ the next

@@ -98,9 +98,8 @@ NOFILE = 256       # open files per call process
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
 
-# Every worker preloads the cheap math modules. Fork costs grow with the parent's resident memory (page
-# tables to copy, pages to copy-on-write and to free again), and numpy + sympy make a worker ~5x bigger,
-# so each slot has two: a lean worker for code that imports only the standard library, and a rich one.
+# what every worker imports before it forks its first call; the rich one adds RICH (the module
+# docstring says why there are two)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
            "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy")
