@@ -14,7 +14,7 @@ import agent
 import data
 from sandbox import SandboxPool
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
 TEMPLATE = (REF / "rstar2_chat_template.jinja").read_text()
 SCHEMA = json.loads((REF / "rstar2_tool_schema.json").read_text())
 

@@ -16,7 +16,7 @@ import sympy
 import agent
 import data
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
 
 
 def run_inprocess(calls):
