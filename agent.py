@@ -25,6 +25,7 @@ Deviations from the released code, on purpose:
 """
 
 import atexit
+import concurrent.futures
 import json
 import logging
 import os
@@ -112,6 +113,11 @@ class ToolCall:
     code: str
     stdin: str = ""
 
+
+# the status of a tool-call record: a sandbox result's status (ok, error, timeout, memory, crash, overloaded)
+# or "invalid", a call that did not parse. The paper's p_err counts the failed ones; "overloaded" is our
+# own infrastructure being busy, not the policy's fault.
+TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -302,14 +308,34 @@ def render_conversation(tokenizer, messages):
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
+def sampled_turns(tokenizer, ids, mask):
+    """The text of each run of tokens the policy sampled (mask 1), in order. Answers are read from these
+    only: code that prints '<answer>\\boxed{7}</answer>' must not supply the answer, and a block cannot
+    span a tool response."""
+    runs, start = [], None
+    for i, m in enumerate(list(mask) + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append(tokenizer.decode(ids[start:i]))
+            start = None
+    return runs
+
+
+def _texts(text):
+    return [text] if isinstance(text, str) else list(text)
+
+
 def count_answers(text):
-    """Number of complete <answer>...</answer> blocks (the paper allows one)."""
-    return len(_ANSWER_RE.findall(text))
+    """Number of complete <answer>...</answer> blocks in a text or a list of sampled turns (the paper
+    allows one)."""
+    return sum(len(_ANSWER_RE.findall(t)) for t in _texts(text))
 
 
 def extract_answer(text):
-    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block, else None."""
-    blocks = _ANSWER_RE.findall(text)
+    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block of a text or
+    a list of sampled turns, else None."""
+    blocks = [b for t in _texts(text) for b in _ANSWER_RE.findall(t)]
     if not blocks:
         return None
     block = blocks[-1]
@@ -403,7 +429,7 @@ def _serve_verifier():
 
 def reward(response_text, gold, timeout=5.0):
     """
-    1.0 if the answer extracted from response_text equals gold per math-verify, else 0.0. Never hangs:
+    1.0 if the answer extracted from response_text (a text or a list of sampled turns) equals gold per math-verify, else 0.0. Never hangs:
     verification that takes longer than timeout seconds counts as wrong. Safe to call from any thread.
     """
     if not isinstance(gold, str):
@@ -417,6 +443,35 @@ def reward(response_text, gold, timeout=5.0):
     if a is not None and g is not None:  # integer vs integer needs no sympy
         return float(a == g)
     return float(_math_verify(gold, answer, timeout))
+
+
+class Grader:
+    """
+    The engine's on_finish callback: grades each finished trajectory on a background thread, so the decode
+    loop never waits for math-verify (the paper's §3.1 verifies asynchronously too). The answer is read from
+    the sampled turns only. A trajectory cut by the response budget gets reward 0 without being read (paper
+    §4.3.1: truncated rollouts are kept with a negative outcome, a signal against rambling) unless
+    score_truncated, the released code's rule (it grades the text whatever the finish).
+    results() waits for the grades of the trajectories this process finished: {key: {reward, answers, pred}}.
+    """
+
+    def __init__(self, tokenizer, score_truncated=False, timeout=5.0):
+        self.tok, self.score_truncated, self.timeout = tokenizer, score_truncated, timeout
+        # one thread: the math-verify helper takes one request at a time anyway
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grader")
+        self.pending = {}
+
+    def __call__(self, traj):
+        turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
+        graded = traj.finish != "length" or self.score_truncated
+        fut = self.pool.submit(reward, turns, traj.meta["answer"], self.timeout) if graded else None
+        self.pending[traj.key] = (fut, count_answers(turns), extract_answer(turns))
+
+    def results(self):
+        out = {key: {"reward": fut.result() if fut else 0.0, "answers": n, "pred": pred}
+               for key, (fut, n, pred) in self.pending.items()}
+        self.pending = {}
+        return out
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--verify-server"]:

@@ -65,6 +65,15 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
 
+def all_gather_dict(d):
+    """Merge a dict from every rank into one, the same on all ranks (single process: d itself)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(d)
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, d)
+    return {k: v for part in parts for k, v in part.items()}
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -48,8 +48,10 @@ drop what the policy always solves).
 
 Sampling is reproducible: every trajectory samples from its own generator seeded from
 (seed, 0, problem index, sample index), so a CPU run with the same seed gives the same numbers, and two
-checkpoints are compared on the same random numbers. evaluate() is importable (train_rl.py, demo.py);
-importing this file runs nothing.
+checkpoints are compared on the same random numbers. evaluate() can be imported by another script (tests
+do); importing this file runs nothing. Grading follows the training rule: answers are read from what the
+policy sampled only, and a trajectory cut by the budget scores 0 (--score_truncated=true: grade it anyway,
+as the released code does).
 """
 import json
 import math
@@ -63,8 +65,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import agent
-from grpo_roc import TOOL_ERRORS
 from rollout import Request
+from common import all_gather_dict
 from scheduler import generate_all
 
 
@@ -99,12 +101,6 @@ def majority_vote(answers):
     return next(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
 
 
-def score_trajectory(traj):
-    """The on_finish callback: 0/1 reward and the extracted answer, on the rank that made the trajectory."""
-    traj.meta["reward"] = agent.reward(traj.text, traj.meta["gold"])
-    traj.meta["pred"] = agent.extract_answer(traj.text)
-
-
 def metrics(groups):
     """groups: one list of scored trajectories per problem, in sample order. Returns (summary, per_problem)."""
     if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
@@ -117,12 +113,12 @@ def metrics(groups):
         win = majority_vote([t.meta["pred"] for t in g])
         calls = [s["status"] for t in g for s in t.tool_calls]
         per_problem.append({
-            "index": i, "gold": g[0].meta["gold"], "samples": k, "correct": c, "accuracy": c / k,
+            "index": i, "gold": g[0].meta["answer"], "samples": k, "correct": c, "accuracy": c / k,
             "maj_answer": None if win is None else g[win].meta["pred"],
             "maj_correct": 0.0 if win is None else float(g[win].meta["reward"] > 0),
             "answers": [t.meta["pred"] for t in g],
             "mean_length": statistics.fmean(len(t.response_ids) for t in g),
-            "tool_calls": len(calls), "tool_errors": sum(s in TOOL_ERRORS for s in calls),
+            "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
             "truncated": sum(t.finish == "length" for t in g),
         })
     accs = [p["accuracy"] for p in per_problem]
@@ -141,7 +137,7 @@ def metrics(groups):
         "mean_model_tokens": statistics.fmean(model_tokens), "median_model_tokens": statistics.median(model_tokens),
         "turns": statistics.fmean(t.turns for t in trajs),
         "tool_calls": len(statuses) / len(trajs),
-        "tool_error_ratio": sum(s in TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
+        "tool_error_ratio": sum(s in agent.TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
         "truncation_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
         "max_turns_ratio": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
         "no_answer_ratio": sum(not t.meta["pred"] for t in trajs) / len(trajs),
@@ -149,7 +145,7 @@ def metrics(groups):
     return summary, per_problem
 
 
-def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True):
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False):
     """
     Sample `samples` trajectories for every problem ({"question", "answer"} dicts) with the engine's own
     sampling settings and tools, `budget` response tokens each; under torchrun the work is shared across
@@ -157,24 +153,24 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    requests = [Request(agent.render_prompt(tokenizer, p["question"]), key=(0, i, s), meta={"gold": p["answer"]})
+    requests = [Request(agent.render_prompt(tokenizer, p["question"]), key=(0, i, s), meta={"answer": p["answer"]})
                 for i, p in enumerate(problems) for s in range(samples)]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     # under torchrun the bar counts this rank's trajectories only, so it has no total
     bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
                unit="traj", dynamic_ncols=True)
-    done = right = 0
+    grader = agent.Grader(tokenizer, score_truncated)  # grades off the decode loop
 
     def on_finish(traj):
-        nonlocal done, right
-        score_trajectory(traj)
-        done, right = done + 1, right + (traj.meta["reward"] > 0)
-        bar.set_postfix(acc=f"{right / done:.3f}", refresh=False)  # running accuracy of this rank
+        grader(traj)
         bar.update(1)
 
     trajs, _ = generate_all(engine, requests, budget, mode, on_finish)
     bar.close()
+    grades = all_gather_dict(grader.results())
+    for t in trajs:
+        t.meta.update(grades[t.key])
     summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
     for row, p in zip(per_problem, problems):
         row.update({"id": p["id"]} if "id" in p else {}, question=p["question"])
@@ -292,6 +288,7 @@ if __name__ == "__main__":
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
     save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
+    score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
     dtype = "bfloat16"  # "float32" on CPU
     cfg = configure(globals())
 
@@ -327,7 +324,8 @@ if __name__ == "__main__":
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
                         max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)
-        summary, per_problem, trajs = evaluate(engine, tokenizer, problems, samples, max_response_tokens, scheduler)
+        summary, per_problem, trajs = evaluate(engine, tokenizer, problems, samples, max_response_tokens, scheduler,
+                                               score_truncated=score_truncated)
     wall = time.time() - t0
     summary.update(model=model, temperature=temperature, wall_s=wall, config=cfg)
 
@@ -369,7 +367,7 @@ if __name__ == "__main__":
                 for t in trajs:
                     i, s = t.key[1], t.key[2]
                     f.write(json.dumps({
-                        "problem": i, "sample": s, "question": problems[i]["question"], "gold": t.meta["gold"],
+                        "problem": i, "sample": s, "question": problems[i]["question"], "gold": t.meta["answer"],
                         "pred": t.meta["pred"], "reward": t.meta["reward"], "finish": t.finish, "turns": t.turns,
                         "response_tokens": len(t.response_ids), "model_tokens": sum(t.mask),
                         "tool_calls": t.tool_calls, "text": t.text}, ensure_ascii=False) + "\n")

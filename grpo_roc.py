@@ -5,7 +5,7 @@ Pure math on tensors and plain records (imports torch only). One RL step uses it
 
     keep, n_all_correct, n_all_wrong = filter_groups(rewards)          # (num_groups, 2G) 0/1
     for each kept group:                                                 # 2G rollouts -> G
-        p = [penalty(statuses, num_answers, num_turns) for each rollout]
+        p = [penalty(calls, failed_calls, answers, turns) for each rollout]
         idx = resample_on_correct(rewards[g], torch.tensor(p), G, generator)
     adv = advantages(kept_rewards)                                       # (num_groups, G)
     loss = policy_loss(logprobs, old_logprobs, adv_per_sequence, mask)   # token-mean, clipped
@@ -34,36 +34,28 @@ Deviations from plain GRPO, and where the paper and the released code differ (bo
 
 import torch
 
-# statuses of one tool call, as the sandbox and agent report them. "overloaded" means our own
-# infrastructure was busy: not the policy's fault, so it is not an error (but it is a call).
-TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
-TOOL_STATUSES = TOOL_ERRORS | {"ok", "overloaded"}
 
-
-def penalty(tool_statuses, num_answers, num_turns):
+def penalty(num_calls, num_errors, num_answers, num_turns):
     """
     p_total = p_err + p_format of one trajectory, in [0, 2]; lower is better (paper Eq. 4 and Eq. 5).
 
-    p_err (Eq. 4) = erroring tool calls / tool calls, and 0.5 when the trajectory made no tool call
-    (the paper's nudge towards using the tool). An error is any status in TOOL_ERRORS: the call did not
-    parse or was invalid, raised / exited non-zero, timed out, ran out of memory or crashed.
+    p_err (Eq. 4) = failed tool calls / tool calls, and 0.5 when the trajectory made no tool call (the
+    paper's nudge towards the tool). What counts as failed (a call that does not parse, raises, or times
+    out) is the caller's business: here it is only a count.
     p_format (Eq. 5) = 1 without any <answer>, else min(1, (num_answers - 1) / num_turns): answering
     more than once is penalised relative to the length of the conversation.
 
-    tool_statuses: list of status strings, one per tool call of the trajectory (see TOOL_STATUSES).
-    num_answers: number of <answer>...</answer> blocks in the trajectory's assistant text.
-    num_turns: number of assistant turns (the paper's definition). The released code counts
-    assistant turns - 1 (its first assistant header sits in the prompt), so there a single-turn
-    answer gets p_format 1.0; we follow the paper.
+    num_answers: <answer>...</answer> blocks in what the policy sampled (tool output does not count).
+    num_turns: assistant turns that ended (the paper's definition). 0 happens when the budget runs out
+    inside the first turn: that rollout gets p_format 1, the most there is (as the released code does).
+    The released code counts assistant turns - 1 (its first assistant header sits in the prompt), so
+    there a single-turn answer also gets p_format 1.0; we follow the paper.
     """
-    unknown = [s for s in tool_statuses if s not in TOOL_STATUSES]
-    if unknown:
-        raise ValueError(f"unknown tool-call status(es) {unknown}; expected one of {sorted(TOOL_STATUSES)}")
-    if num_answers < 0 or num_turns < 1:
-        raise ValueError(f"need num_answers >= 0 and num_turns >= 1, got {num_answers=} {num_turns=}")
-    n_calls = len(tool_statuses)
-    p_err = sum(s in TOOL_ERRORS for s in tool_statuses) / n_calls if n_calls else 0.5
-    p_format = 1.0 if num_answers == 0 else min(1.0, (num_answers - 1) / num_turns)
+    if not 0 <= num_errors <= num_calls or num_answers < 0 or num_turns < 0:
+        raise ValueError(f"need 0 <= num_errors <= num_calls and num_answers, num_turns >= 0, "
+                         f"got {num_calls=} {num_errors=} {num_answers=} {num_turns=}")
+    p_err = num_errors / num_calls if num_calls else 0.5
+    p_format = 1.0 if num_answers == 0 or num_turns == 0 else min(1.0, (num_answers - 1) / num_turns)
     return p_err + p_format
 
 

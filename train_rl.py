@@ -17,12 +17,18 @@ How this deviates from textbook GRPO (all from the paper, §2.2):
 - groups whose 2G rewards are all equal carry no signal and are dropped before RoC.
 - no KL term and no entropy bonus; clip-higher (ε_low 0.2, ε_high 0.28); token-mean loss over all
   model tokens of the step; tool-response tokens are masked out of the loss.
-- truncated trajectories are kept, with reward 0.
+- truncated trajectories are kept, with reward 0 (paper §4.3.1; score_truncated=true grades them like the
+  released code does).
 
 Weights for generation: each rank keeps an unsharded inference copy of the policy (bf16 on GPU) next
 to its FSDP2 training shards; after every optimizer step each parameter is gathered with
 `full_tensor()` one at a time and copied into it (a 14B model: 29.6 GB bf16 per rank; see README).
 """
+import collections
+import functools
+import gzip
+import itertools
+import json
 import math
 import os
 import time
@@ -33,7 +39,7 @@ from transformers import AutoTokenizer
 
 import agent
 import grpo_roc
-from common import (Logger, checkpoint_dir, compute_cleanup, compute_init, latest_checkpoint,
+from common import (Logger, all_gather_dict, checkpoint_dir, compute_cleanup, compute_init, latest_checkpoint,
                     load_trainer_state, pack, collate, print0, save_checkpoint)
 from configurator import configure
 from data import read_jsonl
@@ -48,6 +54,7 @@ model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
 data_path = "out/data/train.jsonl"  # JSONL with "question" and "answer"
 run_dir = "out/tiny-rl"
 resume = False  # continue from the latest checkpoint in run_dir
+data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
 optimizer_from = ""  # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
 steps = 60
 prompts_per_step = 8  # B (paper: 512)
@@ -55,6 +62,7 @@ samples_per_prompt = 16  # 2G rollouts per prompt (paper: 32)
 keep_per_prompt = 8  # G kept by Resample-on-Correct (paper: 16)
 roc = True  # False: plain GRPO, sample keep_per_prompt and use them all
 roc_mode = "sample"  # "sample" (paper: p ∝ 1/penalty) or "deterministic" (released code)
+score_truncated = False  # True: grade rollouts cut by the budget like finished ones (released code); paper: 0
 # rollout
 max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
 max_prompt_tokens = 128
@@ -78,11 +86,13 @@ eps_low = 0.2
 eps_high = 0.28
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1)
+loss_norm = "token"  # "token": mean over every sampled token of the mini-batch; "group": Eq. 6's per question
 max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
 activation_checkpointing = False
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
 save_every = 20
+dump_every = 10  # every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
 seed = 0
 wandb_project = ""
 cfg = configure(globals())
@@ -100,7 +110,18 @@ prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
 print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
-order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed)).tolist()
+assert loss_norm in ("token", "group"), f"loss_norm must be 'token' or 'group', got {loss_norm!r}"
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(epoch):
+    # a fresh permutation every epoch, the same on every rank
+    return torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch)).tolist()
+
+
+def prompt_at(c):
+    """The c-th prompt of the data stream."""
+    return data[epoch_order(c // len(data))[c % len(data)]]
 
 # the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank
 start = latest_checkpoint(run_dir) if resume else None
@@ -122,6 +143,12 @@ if start:
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
+if not start and not data_restart and os.path.isfile(os.path.join(model_path, "trainer_state.pt")):
+    # a later stage goes on where the previous one stopped instead of replaying its first prompts
+    prev = torch.load(os.path.join(model_path, "trainer_state.pt"), weights_only=False)
+    if prev.get("data_path") == data_path:
+        cursor = prev["cursor"]
+        print0(f"data stream continued from {model_path} at prompt {cursor}")
 
 
 @torch.no_grad()
@@ -131,14 +158,16 @@ def sync_policy():
         q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
-def on_finish(traj):
-    # reward as each trajectory finishes, on the rank that generated it, overlapping generation
-    traj.meta["reward"] = agent.reward(traj.text, traj.meta["answer"])
-    traj.meta["answers"] = agent.count_answers(traj.text)
-
-
 def micro_batches(trajs, advs):
     """This rank's token-balanced micro-batches; each a packed row of whole trajectories."""
+    if loss_norm == "group":
+        # Eq. 6: 1/|o| over each question's kept tokens, then the mean over questions. A positive weight
+        # per trajectory commutes with the clip, so it rides on the advantage: loss = sum(w * l) / N
+        size = collections.Counter()
+        for t in trajs:
+            size[t.key[1]] += sum(t.mask)  # sampled tokens of each question's kept trajectories
+        n = sum(size.values())
+        advs = [a * n / (len(size) * size[t.key[1]]) for t, a in zip(trajs, advs)]
     seqs = []
     for t, a in zip(trajs, advs):
         seq = t.prompt_ids + t.response_ids
@@ -148,11 +177,40 @@ def micro_batches(trajs, advs):
     return [collate([seqs[i] for i in b], device, packed) for b in bins[rank::world]]
 
 
+def dump_step(step, groups):
+    """Every trajectory of the step, in request order, as gzip JSONL: what a person reads (view.py) to see
+    what the policy wrote, what the tool answered, and what RoC kept."""
+    path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        for b, group in enumerate(groups):
+            rs = {t.meta["reward"] for t in group}
+            kind = "mixed" if len(rs) > 1 else "all_correct" if rs == {1.0} else "all_wrong"
+            for t in group:
+                ids, mask, segments = t.response_ids, t.mask, []
+                for m, run in itertools.groupby(range(len(ids)), key=lambda i: mask[i]):
+                    run = list(run)
+                    segments.append([tokenizer.decode(ids[run[0]:run[-1] + 1]), m])
+                i = t.meta["problem"]
+                f.write(json.dumps({
+                    "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
+                    "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids), "segments": segments,
+                    "response_ids": ids, "mask": mask, "reward": t.meta["reward"], "finish": t.finish,
+                    "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind,
+                    "penalty": t.meta.get("penalty"), "kept": "advantage" in t.meta,
+                    "advantage": t.meta.get("advantage")}, ensure_ascii=False) + "\n")
+
+
+def n_failed(calls):
+    return sum(c["status"] in agent.TOOL_ERRORS for c in calls)
+
+
 logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
 pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
 tools = ToolRunner(pool)
 max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
+grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                 tool_max_chars=tool_max_chars)
@@ -164,12 +222,16 @@ while step < steps:
     t0 = time.perf_counter()
     # 1. rollouts: 2G per prompt, the work shared by all ranks' engines
     sync_policy()
-    batch = [data[order[(cursor + i) % len(data)]] for i in range(prompts_per_step)]
+    batch = [prompt_at(cursor + i) for i in range(prompts_per_step)]
     cursor += prompts_per_step
-    requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"]})
+    requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"], "problem": i})
                 for b, (i, p) in enumerate(batch) for s in range(n_sample)]
-    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, on_finish)
+    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, grader)
     t_rollout = time.perf_counter() - t0
+    # the grades, made on each trajectory's own rank while the engine went on decoding
+    grades = all_gather_dict(grader.results())
+    for t in trajs:
+        t.meta.update(grades[t.key])
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
     groups = [trajs[g * n_sample:(g + 1) * n_sample] for g in range(prompts_per_step)]
@@ -180,9 +242,12 @@ while step < steps:
     for g in keep_groups.tolist():
         idx = list(range(n_sample))
         if roc:
-            pen = torch.tensor([grpo_roc.penalty([c["status"] for c in t.tool_calls], t.meta["answers"], t.turns)
-                                for t in groups[g]])
-            idx = grpo_roc.resample_on_correct(rewards[g], pen, keep_per_prompt, gen, mode=roc_mode).tolist()
+            pen = [grpo_roc.penalty(len(t.tool_calls), n_failed(t.tool_calls), t.meta["answers"], t.turns)
+                   for t in groups[g]]
+            idx = grpo_roc.resample_on_correct(rewards[g], torch.tensor(pen), keep_per_prompt, gen,
+                                               mode=roc_mode).tolist()
+            for t, p in zip(groups[g], pen):
+                t.meta["penalty"] = p
         kept.append([groups[g][i] for i in idx])
         kept_rewards.append(rewards[g, idx])
     t_train = time.perf_counter()
@@ -190,6 +255,8 @@ while step < steps:
     if kept:
         advs = grpo_roc.advantages(torch.stack(kept_rewards)).flatten().tolist()
         kept = [t for g in kept for t in g]
+        for t, a in zip(kept, advs):
+            t.meta["advantage"] = a  # also marks it kept, for the dump
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         for group in optimizer.param_groups:
@@ -230,13 +297,13 @@ while step < steps:
         stats["clip_frac"], stats["entropy"] = summed.tolist()
     calls = [c for t in trajs for c in t.tool_calls]
     pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.tool_calls]
-    err = lambda cs: sum(c["status"] in grpo_roc.TOOL_ERRORS for c in cs) / max(1, len(cs))
+    err = lambda cs: n_failed(cs) / max(1, len(cs))
     metrics = {
         "reward": rewards.mean().item(),
-        "reward_kept": sum(t.meta["reward"] for t in kept) / max(1, len(kept)),
+        "kept": len(kept), "reward_kept": sum(t.meta["reward"] for t in kept) / max(1, len(kept)),
         "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
         "response_len": sum(len(t.response_ids) for t in trajs) / len(trajs),
-        "clip_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
+        "truncated_frac": sum(t.finish == "length" for t in trajs) / len(trajs),
         "turns": sum(t.turns for t in trajs) / len(trajs),
         "tool_calls": len(calls) / len(trajs),
         "tool_err": err(calls), "tool_err_pos": err(pos_calls),
@@ -248,12 +315,15 @@ while step < steps:
     engine.stats["tool_wait_s"] = 0.0
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
-           f"len {metrics['response_len']:.0f} | clip {metrics['clip_ratio']:.2f} | calls {metrics['tool_calls']:.2f} | "
+           f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "
            f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
            f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
+    if rank == 0 and dump_every and (step % dump_every == 0 or step == 1):
+        dump_step(step, groups)
     if step % save_every == 0 or step == steps:
-        save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer, {"step": step, "cursor": cursor})
+        save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer,
+                        {"step": step, "cursor": cursor, "data_path": data_path})
 
 tools.close()
 compute_cleanup()

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import agent
 import eval as ev
 from rollout import Trajectory
 
@@ -60,8 +61,8 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
-                   turns=turns, finish=finish, meta={"gold": gold}, text=text)
-    ev.score_trajectory(t)
+                   turns=turns, finish=finish, meta={"answer": gold}, text=text)
+    t.meta.update(reward=agent.reward(text, gold), pred=agent.extract_answer(text))
     return t
 
 

@@ -1,0 +1,82 @@
+"""
+train_rl.py with a policy whose output this file controls: the stage-1 rehearsal (tests/test_rehearsal.py).
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/rehearsal.py configs/tiny_rl.py ...
+
+Chosen rollouts, keyed by (step, prompt, sample), emit scripted assistant turns token by token; every other
+rollout is sampled from the model as usual. A scripted token is recorded with the model's own log-prob of it,
+so the update that follows is a real one. The scripts make each hard case of a 64-GPU stage-1 step happen on
+purpose: a budget that runs out inside the first turn and later, max_turns, malformed and surplus tool calls,
+tool errors and timeouts, all-correct, all-wrong and mixed groups, and a step where every group is uniform.
+"""
+import json
+import os
+import runpy
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rollout  # noqa: E402
+
+LONG = "<reason>" + " 7" * 400  # never closes its turn: the budget ends it
+
+
+def call(code, stdin=""):
+    body = json.dumps({"name": "execute_python_code_with_standard_io", "arguments": {"code": code, "input": stdin}})
+    return f"\n<tool_call>\n{body}\n</tool_call>"
+
+
+def answer(x):
+    return f"<reason>done</reason>\n<answer>\\boxed{{{x}}}</answer><|im_end|>"
+
+
+def script(step, prompt, sample, gold):
+    """The assistant turns of one rollout (each ends with <|im_end|> unless the budget is to cut it), or None
+    to let the model sample it."""
+    ok, bad = answer(gold), answer(int(gold) + 1)
+    tool = lambda code: "<reason>compute</reason>" + call(code) + "<|im_end|>"  # noqa: E731
+    if step == 2:  # every group all correct: nothing is kept, nothing is updated
+        return [ok]
+    table = {
+        # all correct, each reached differently
+        (0, 0): [tool("print(1)"), ok],
+        (0, 1): [ok],
+        (0, 2): [tool("1/0"), ok],  # a tool error
+        (0, 3): ["<reason>x</reason>\n<tool_call>\n{\"name\": oops}\n</tool_call><|im_end|>", ok],  # malformed
+        # all wrong
+        (1, 0): [LONG],  # truncated inside the first turn: no turn ever ends
+        (1, 1): [bad],
+        (1, 2): [tool("while True: pass"), bad],  # a timeout
+        (1, 3): [tool("print(2)"), tool("print(3)"), tool("print(4)")],  # max_turns (2 in the test)
+        # mixed
+        (2, 0): ["<reason>two</reason>" + call("print(5)") + call("print(6)") + "<|im_end|>", ok],  # surplus call
+        (2, 1): [bad],
+        (2, 2): [tool("print(7)"), LONG],  # truncated in a later turn
+        # (2, 3) and prompt 3: sampled from the model
+    }
+    return table.get((prompt, sample))
+
+
+_sample = rollout.Engine.sample
+
+
+def sample(self, rows):
+    logits = [r.logits for r in rows]
+    toks, lps = _sample(self, rows)
+    for i, (r, lg) in enumerate(zip(rows, logits)):
+        turns = script(*r.req.key, r.req.meta["answer"])
+        t = r.traj
+        if turns is None or t.turns >= len(turns):
+            continue
+        ids = self.tok.encode(turns[t.turns], add_special_tokens=False)
+        pos = len(t.response_ids) - r.turn_start
+        if pos < len(ids):
+            toks[i] = ids[pos]
+            lps[i] = torch.log_softmax(lg / (self.temperature or 1.0), -1)[ids[pos]].item()
+    return toks, lps
+
+
+rollout.Engine.sample = sample
+sys.argv = ["train_rl.py"] + sys.argv[1:]
+runpy.run_path("train_rl.py", run_name="__main__")
