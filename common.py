@@ -149,7 +149,7 @@ def collate(seqs, device, packed):
     batch with a 0/1 mask — cheaper for SDPA, whose attention over one long packed row would cost
     O(N²). An empty bin becomes a single zero token (it still joins the FSDP collectives)."""
     if not seqs:
-        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0]}]
+        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "elp": [0.0], "tid": [0]}]  # RL's keys
     if packed:
         out = {k: [[x for s in seqs for x in s[k]]] for k in seqs[0]}
         out["seg"] = [[k + 1 for k, s in enumerate(seqs) for _ in s["ids"]]]

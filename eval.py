@@ -1,7 +1,7 @@
 """
 avg@k evaluation with the same agent loop as RL: k sampled multi-turn, tool-using answers per problem.
 
-The paper's protocol (§5): 16 samples per problem, temperature 0.6, top-p 1.0, up to 30K response tokens
+The paper's protocol (§5): 16 samples per problem, temperature 0.6 (top-p not stated: 1.0), up to 30K response tokens
 (model + tool tokens, one budget) and 30 turns; it reports avg@16 (mean accuracy over the 16 samples)
 and the mean response length in tokens. configs/eval_aime.py carries exactly that.
 

@@ -20,9 +20,12 @@ Why each piece (paper §2.2):
    less often reinforced. The reward itself stays a pure 0/1 outcome (Eq. 3): penalising tool errors in
    the reward would discourage exploration.
 3. advantages are group-normalised over the G kept rollouts only (Eq. 7), one scalar per trajectory.
-4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), averaged over every sampled
-   token of the step ("token-mean", Eq. 6), with no KL and no entropy term. Tool-output tokens have
-   mask 0 and never contribute.
+4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), with no KL and no entropy term.
+   Tool-output tokens have mask 0 and never contribute. Normalisation: Eq. 6 divides each question's
+   token sum by that question's token count (1/sum|o_i| inside the expectation over questions); the
+   released code takes verl's token-mean per micro-batch; policy_loss divides by num_tokens, the sampled
+   tokens of the whole mini-batch on all ranks (DAPO's token-mean), and train_rl.py's loss_norm="group"
+   gives Eq. 6 by weighting each trajectory.
 
 Deviations from plain GRPO, and where the paper and the released code differ (both are available):
 - mode="sample" (default) is the paper's rule; mode="deterministic" is the released code's rule
@@ -31,6 +34,8 @@ Deviations from plain GRPO, and where the paper and the released code differ (bo
   the released code does (that misses timeouts and parse failures, and flags stdout that prints "error").
 - dual_clip (verl's default c = 3.0, not in the paper) is off unless asked for.
 """
+
+import math
 
 import torch
 
@@ -171,16 +176,18 @@ def advantages(rewards, eps=1e-6):
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.28, *,
-                dual_clip=None, num_tokens=None, return_stats=False):
+                dual_clip=None, num_tokens=None, weights=None, return_stats=False):
     """
-    Clipped surrogate loss of GRPO-RoC (paper Eq. 6), to minimise:
+    Clipped surrogate loss of GRPO-RoC (the surrogate of paper Eq. 6), to minimise:
 
         loss = -1/N * sum_{i,t: mask=1} min(rho_it * A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) * A_i)
         rho_it = exp(logprobs_it - old_logprobs_it)
 
     with clip-higher (eps_high > eps_low lets rare tokens grow), no KL and no entropy term.
-    Normalisation is token-mean over the step: every sampled token weighs the same, however long its
-    trajectory (not a mean per sequence then over sequences). N defaults to mask.sum() of this call.
+    N is a token count, so every sampled token weighs the same, however long its trajectory (not a mean
+    per sequence then over sequences). N defaults to mask.sum() of this call. Eq. 6 normalises per
+    question instead: scale each trajectory's advantage by N / (questions * its question's tokens)
+    (a positive weight commutes with the clip; train_rl.py does this for loss_norm="group").
     For gradient accumulation over micro-batches pass num_tokens = mask-1 tokens of the whole
     mini-batch: the sum of the micro-batch losses is then the token-mean of the mini-batch. Across
     ranks, pass the count summed over all ranks and multiply the loss by the world size, since
@@ -188,6 +195,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
 
     dual_clip=c (> 1, verl default 3.0; not in the paper): for A < 0 the per-token loss is also capped
     at -c * A, so one huge ratio cannot dominate the step.
+    weights (B, T), optional, >= 0: multiply each token's clipped loss (truncated importance sampling,
+    see tis_weights; not in the paper). All-ones weights leave the loss and its gradient bitwise unchanged.
 
     logprobs, old_logprobs: (B, T) log-probs of the sampled tokens under the current / sampling policy.
     advantages: (B,) one value per trajectory, or (B, T) already broadcast to the tokens (a packed
@@ -227,6 +236,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     if dual_clip is not None:
         # the cap is a constant, so capped tokens get no gradient, like the ordinary clip
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, -dual_clip * adv), token_loss)
+    if weights is not None:
+        token_loss = token_loss * weights.detach()
     loss = torch.where(mask, token_loss, 0.0).sum() / num_tokens
     if not return_stats:
         return loss
@@ -244,3 +255,49 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
             "approx_kl": torch.where(mask, ratio - 1.0 - log_ratio, 0.0).sum() / n,
         }
     return loss, stats
+
+
+# -----------------------------------------------------------------------------
+# the sampling engine and the trainer are two programs (on GPU: a bf16 copy with the kv-cache kernel vs
+# the FSDP model with the varlen kernel). The rollout was sampled from the engine's distribution while the
+# loss's "old" policy is the trainer's; none of this is in the paper, all of it is off by default.
+
+def mismatch(trainer_logprobs, engine_logprobs, mask):
+    """
+    How far the engine's sampling-time log-probs are from the trainer's on the same tokens, as sums over
+    mask-1 tokens (add them up over micro-batches and ranks; divide by "n"). With d = trainer - engine:
+    "abs" = sum |d|, "max" = max |d|, "k3" = sum(e^d - 1 - d) (the k3 estimate of KL(engine || trainer)
+    from the engine's own samples), "out" = tokens whose ratio e^d lies outside [0.5, 2], "n" = tokens.
+    """
+    mask = mask.bool()
+    d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0)  # (B, T)
+    return {"abs": d.abs().sum(), "max": d.abs().max() if mask.any() else d.new_zeros(()),
+            "k3": torch.where(mask, d.exp() - 1 - d, 0.0).sum(),
+            "out": (mask & ((d < -math.log(2)) | (d > math.log(2)))).sum(), "n": mask.sum()}
+
+
+def tis_weights(trainer_logprobs, engine_logprobs, cap):
+    """
+    Truncated importance sampling: per token min(exp(trainer - engine), cap), the weight that turns an
+    expectation over the engine's samples into one over the trainer's policy, capped so one token cannot
+    dominate. Equal log-probs give exactly 1.0.
+    """
+    if cap < 1:
+        raise ValueError(f"the TIS cap must be >= 1, got {cap}")
+    return torch.exp(trainer_logprobs - engine_logprobs).clamp(max=cap)
+
+
+def sequence_mask(trainer_logprobs, engine_logprobs, mask, seq_ids, band):
+    """
+    mask with every trajectory dropped whose mean log-ratio (trainer - engine) over its mask-1 tokens lies
+    outside [-band, band]: a sequence the trainer would not have sampled is left out of the update.
+    seq_ids (B, T): which trajectory each token belongs to (ints >= 0).
+    """
+    mask = mask.bool()
+    d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0).flatten()
+    ids = seq_ids.flatten().long()
+    n = int(ids.max()) + 1
+    total = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, ids, d)
+    count = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, ids, mask.flatten().to(d.dtype))
+    ok = (total / count.clamp(min=1)).abs() <= band  # (n,)
+    return mask & ok[seq_ids.long()]

@@ -15,8 +15,10 @@ How this deviates from textbook GRPO (all from the paper, §2.2):
 - Resample-on-Correct: positives are down-sampled with probability ∝ 1/(p_err + p_format), so the
   update sees the cleanest correct trajectories; negatives are down-sampled uniformly.
 - groups whose 2G rewards are all equal carry no signal and are dropped before RoC.
-- no KL term and no entropy bonus; clip-higher (ε_low 0.2, ε_high 0.28); token-mean loss over all
-  model tokens of the step; tool-response tokens are masked out of the loss.
+- no KL term and no entropy bonus; clip-higher (ε_low 0.2, ε_high 0.28); tool-response tokens are
+  masked out of the loss. The loss is a mean over all sampled tokens of the mini-batch (DAPO's
+  token-mean; the released code takes verl's per micro-batch); loss_norm="group" is Eq. 6's
+  per-question normalisation.
 - truncated trajectories are kept, with reward 0 (paper §4.3.1; score_truncated=true grades them like the
   released code does).
 
@@ -73,7 +75,7 @@ kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accele
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
 tool_workers = 0  # sandbox workers per rank; 0 = number of cores
-tool_timeout = 4.0  # seconds per call (paper's service: 4 s)
+tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
 tool_memory = 1 << 30  # bytes per call
 tool_max_chars = 1024  # per tool response, head and tail kept
 max_calls_per_turn = 1
@@ -85,10 +87,14 @@ grad_clip = 1.0
 eps_low = 0.2
 eps_high = 0.28
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
-mini_batches = 1  # optimizer steps per RL step (paper: 1)
+mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
 loss_norm = "token"  # "token": mean over every sampled token of the mini-batch; "group": Eq. 6's per question
 max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
 activation_checkpointing = False
+# engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
+rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
+tis_cap = 0.0  # > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
+mismatch_band = 0.0  # > 0 (e.g. 0.5): drop a trajectory whose mean trainer - engine log-ratio leaves ±band
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
 save_every = 20
@@ -133,7 +139,7 @@ if dist.is_initialized():
 else:
     model = load_model(init_path, device=device, dtype=torch.float32)
 model.gradient_checkpointing = activation_checkpointing
-policy = load_model(init_path, device=device, dtype=ptdtype).eval()
+policy = load_model(init_path, device=device, dtype=getattr(torch, rollout_dtype or dtype)).eval()
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
 step, cursor = 0, 0
 if start:
@@ -158,8 +164,9 @@ def sync_policy():
         q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
-def micro_batches(trajs, advs):
-    """This rank's token-balanced micro-batches; each a packed row of whole trajectories."""
+def micro_batches(trajs, advs, first=0):
+    """This rank's token-balanced micro-batches; each a packed row of whole trajectories (tid: the index
+    of each token's trajectory, counting from first)."""
     if loss_norm == "group":
         # Eq. 6: 1/|o| over each question's kept tokens, then the mean over questions. A positive weight
         # per trajectory commutes with the clip, so it rides on the advantage: loss = sum(w * l) / N
@@ -171,8 +178,11 @@ def micro_batches(trajs, advs):
     seqs = []
     for t, a in zip(trajs, advs):
         seq = t.prompt_ids + t.response_ids
+        pad = [0] * (len(t.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": [a] * (len(seq) - 1),
-                     "mask": [0] * (len(t.prompt_ids) - 1) + t.mask})  # loss only on sampled tokens
+                     "mask": pad + t.mask,  # loss only on sampled tokens
+                     "elp": pad + t.logprobs,  # the engine's log-prob of each sampled token
+                     "tid": [first + len(seqs)] * (len(seq) - 1)})
     bins = pack([len(s["ids"]) for s in seqs], max_tokens_per_micro, world)
     return [collate([seqs[i] for i in b], device, packed) for b in bins[rank::world]]
 
@@ -252,6 +262,7 @@ while step < steps:
         kept_rewards.append(rewards[g, idx])
     t_train = time.perf_counter()
     stats = {}
+    mism = {k: torch.zeros((), device=device) for k in ("abs", "max", "k3", "out", "n")}
     if kept:
         advs = grpo_roc.advantages(torch.stack(kept_rewards)).flatten().tolist()
         kept = [t for g in kept for t in g]
@@ -261,22 +272,35 @@ while step < steps:
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
-        # the "old" policy is this step's weights before any update: log-probs for every mini-batch first
+        # the "old" policy is this step's weights before any update. With one optimizer step per RL step
+        # (the paper) they are the weights of the forward below, so its own log-probs, detached, are the
+        # old ones and a second forward would only repeat it; otherwise every mini-batch's come first
         per_mini = math.ceil(len(kept) / mini_batches)
         minis = []
         for mb in range(mini_batches):
             part = range(mb * per_mini, min(len(kept), (mb + 1) * per_mini))
-            micros = micro_batches([kept[i] for i in part], [advs[i] for i in part])
+            micros = micro_batches([kept[i] for i in part], [advs[i] for i in part], part.start)
             n_tokens = torch.tensor(float(sum(sum(kept[i].mask) for i in part)), device=device)
-            with torch.no_grad():
-                old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True) for m in micros]
+            old = None
+            if mini_batches > 1:
+                with torch.no_grad():
+                    old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"]) for m in micros]
             minis.append((micros, old, n_tokens))
         for micros, old, n_tokens in minis:
-            for m, (old_lp, ent) in zip(micros, old):
-                lp = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
-                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], m["mask"], eps_low=eps_low,
+            for j, m in enumerate(micros):
+                lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True)
+                old_lp = lp.detach() if old is None else old[j]
+                # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
+                mask, elp = m["mask"].bool(), m["elp"].float()
+                for k, v in grpo_roc.mismatch(old_lp, elp, mask).items():
+                    mism[k] = torch.maximum(mism[k], v) if k == "max" else mism[k] + v
+                # corrections for that gap, off by default: truncated importance weights, sequence masking
+                weights = grpo_roc.tis_weights(old_lp, elp, tis_cap) if tis_cap else None
+                if mismatch_band:
+                    mask = grpo_roc.sequence_mask(old_lp, elp, mask, m["tid"], mismatch_band)
+                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], mask, eps_low=eps_low,
                                                 eps_high=eps_high, dual_clip=dual_clip or None,
-                                                num_tokens=n_tokens, return_stats=True)
+                                                num_tokens=n_tokens, weights=weights, return_stats=True)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch (all ranks, summed below)
@@ -295,6 +319,9 @@ while step < steps:
         summed = torch.tensor([stats.get(k, 0.0) for k in ("clip_frac", "entropy")], device=device)
         dist.all_reduce(summed)
         stats["clip_frac"], stats["entropy"] = summed.tolist()
+        for k in mism:
+            dist.all_reduce(mism[k], op=dist.ReduceOp.MAX if k == "max" else dist.ReduceOp.SUM)
+    n_loss = max(1.0, float(mism["n"]))
     calls = [c for t in trajs for c in t.tool_calls]
     pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.tool_calls]
     err = lambda cs: n_failed(cs) / max(1, len(cs))
@@ -309,6 +336,9 @@ while step < steps:
         "tool_err": err(calls), "tool_err_pos": err(pos_calls),
         "entropy": stats.get("entropy", 0.0), "clip_frac": stats.get("clip_frac", 0.0),
         "grad_norm": stats.get("grad_norm", 0.0), "lr": optimizer.param_groups[0]["lr"],
+        # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
+        "mismatch_abs_mean": float(mism["abs"]) / n_loss, "mismatch_abs_max": float(mism["max"]),
+        "mismatch_kl_k3": float(mism["k3"]) / n_loss, "mismatch_ratio_out": float(mism["out"]) / n_loss,
         "t_rollout": t_rollout, "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
         "tok_per_s": sum(len(t.response_ids) for t in trajs) / t_rollout, "generated_here": n_mine,
     }

@@ -1,4 +1,5 @@
-# the paper's evaluation protocol (§5.1): avg@16 at temperature 0.6, top-p 1.0, 30K tokens, 30 turns
+# the paper's evaluation protocol (§5.1): avg@16 at temperature 0.6, 30K tokens, 30 turns (top-p is not
+# stated; 1.0 = no nucleus truncation, verl's default)
 #   python eval.py convert aime_2024/train-00000-of-00001.parquet data/aime24.jsonl
 #   torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model=out/stage3/step_000125 --data=data/aime24.jsonl
 # the released weights load unchanged: --model=<your download of rStar2-Agent-14B>
@@ -15,6 +16,6 @@ max_calls_per_turn = 1
 tool_max_chars = 1024
 kv_capacity = 0              # 0 = 90% of the free GPU memory after the weights
 tool_workers = 64            # sandbox workers per rank
-tool_timeout = 4.0           # the paper's code service: 4 s per call
+tool_timeout = 4.0           # the released code-judge README's MAX_EXECUTION_TIME (the paper gives none)
 seed = 0
 dtype = "bfloat16"

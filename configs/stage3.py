@@ -12,3 +12,4 @@ steps = 125
 max_response_tokens = 12288
 max_turns = 15
 warmup_steps = 0
+data_restart = True          # new data: its own stream from the start

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import grpo_roc
 from grpo_roc import advantages, filter_groups, penalty, policy_loss, resample_on_correct
 
 
@@ -402,3 +403,44 @@ def test_toy_policy_learns_rewarded_sequences():
     assert expected_reward() > 0.9 > start  # measured: 0.26 -> 0.99
     # the masked "tool output" position never received a gradient
     assert torch.equal(logits.detach()[2], torch.zeros(3))
+
+
+# ----------------------------------------------------------------------------- engine vs trainer
+
+def test_mismatch_tis_and_sequence_mask_hand_values():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = torch.tensor([[-1.0, -1.5, -0.5 - math.log(3), 9.0]])  # d = 0, -0.5, ln 3, (masked)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    m = grpo_roc.mismatch(trainer, engine, mask)
+    assert float(m["abs"]) == pytest.approx(0.5 + math.log(3)) and float(m["max"]) == pytest.approx(math.log(3))
+    assert float(m["k3"]) == pytest.approx((math.exp(-0.5) - 1 + 0.5) + (3 - 1 - math.log(3)))
+    assert int(m["out"]) == 1 and int(m["n"]) == 3  # ratios 1, 0.61 (inside [0.5, 2]), 3 (outside)
+    w = grpo_roc.tis_weights(trainer, engine, cap=2.0)
+    torch.testing.assert_close(w[0, :3], torch.tensor([1.0, math.exp(-0.5), 2.0]))  # exp(ln 3) = 3, capped at 2
+    # two trajectories in one packed row: mean log-ratios -0.25 and ln 3
+    seq = torch.tensor([[0, 0, 1, 1]])
+    assert grpo_roc.sequence_mask(trainer, engine, mask, seq, band=1.0).tolist() == [[True, True, False, False]]
+    assert grpo_roc.sequence_mask(trainer, engine, mask, seq, band=0.2).tolist() == [[False, False, False, False]]
+    with pytest.raises(ValueError, match="cap"):
+        grpo_roc.tis_weights(trainer, engine, cap=0.5)
+
+
+def test_corrections_change_nothing_without_mismatch():
+    g = torch.Generator().manual_seed(0)
+    lp = (-torch.rand(3, 7, generator=g) * 3).requires_grad_()
+    old = (lp.detach() + 0.3 * torch.randn(3, 7, generator=g))
+    engine = old.clone()  # the engine's log-probs equal the trainer's old ones: nothing to correct
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), (torch.rand(3, 7, generator=g) > 0.3).long()
+    loss = policy_loss(lp, old, adv, mask, dual_clip=3.0)
+    (grad,) = torch.autograd.grad(loss, lp)
+    seq = torch.arange(3)[:, None].expand(3, 7)
+    for cap in (1.0, 2.0):
+        w = grpo_roc.tis_weights(old, engine, cap)
+        m = grpo_roc.sequence_mask(old, engine, mask, seq, band=1e-9)
+        loss2 = policy_loss(lp, old, adv, m, dual_clip=3.0, weights=w, num_tokens=mask.sum())
+        (grad2,) = torch.autograd.grad(loss2, lp)
+        assert torch.equal(loss, loss2) and torch.equal(grad, grad2)  # bitwise
+    # and with a given mismatch the weight multiplies each token's loss, capped
+    w = torch.tensor([[2.0] * 7, [0.5] * 7, [1.0] * 7])
+    want = policy_loss(lp, old, adv * torch.tensor([2.0, 0.5, 1.0]), mask)
+    torch.testing.assert_close(policy_loss(lp, old, adv, mask, weights=w), want)

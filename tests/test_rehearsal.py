@@ -1,8 +1,10 @@
 """
 The stage-1 rehearsal: train_rl.py on 2 gloo ranks with the dynamic scheduler, where a scripted policy
-(tests/rehearsal.py) makes every hard case of a 64-GPU stage-1 step happen at least once, then a resume from
-the mid-run checkpoint that must repeat the uninterrupted run exactly.
+(tests/rehearsal.py) makes every hard case of a 64-GPU stage-1 step happen at least once. Then the
+reproducibility gate: the same run on a busy CPU, and a resume from the mid-run checkpoint, must both repeat
+the first run exactly (trajectories, tool outputs, RoC choices, weights).
 """
+import contextlib
 import gzip
 import hashlib
 import json
@@ -39,6 +41,17 @@ def rehearse(d, run_dir, *extra):
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return p
+
+
+@contextlib.contextmanager
+def busy(n):
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def records(run_dir, step):
@@ -86,7 +99,24 @@ def test_stage1_rehearsal_every_hard_case_then_exact_resume(tiny, tmp_path):
     assert metrics[2]["kept"] == 0 and metrics[2]["groups_all_right"] == 1.0 and metrics[2]["grad_norm"] == 0.0
     assert metrics[1]["grad_norm"] > 0 and metrics[3]["grad_norm"] > 0
 
-    # stopped after step 2 and resumed: the same trajectories, RoC choices and weights, bit for bit
+    # the data stream: a permutation per epoch (10 problems, 4 a step), reshuffled for the next epoch
+    questions = [r["question"] for step in (1, 2, 3, 4) for r in records(a, step) if r["sample"] == 0]
+    every = {json.loads(line)["question"] for line in open(tiny / "data" / "train.jsonl")}
+    assert set(questions[:10]) == every and questions[10:16] != questions[:6]
+    # a later stage starting from a checkpoint goes on with the stream instead of replaying it
+    out = rehearse(tiny, tmp_path / "stage2", "--steps=1", f"--model_path={a}/step_000004")
+    assert "data stream continued" in out.stdout
+    assert {r["question"] for r in records(tmp_path / "stage2", 1)} == every - set(questions[10:16])
+
+    # the same run again while two busy processes share the CPU (tool answers arrive at other moments, rows
+    # resume in other batches): the same trajectories, RoC choices and weights, bit for bit
+    with busy(2):
+        rehearse(tiny, tmp_path / "a2", "--steps=4")
+    for step in (1, 2, 3, 4):
+        assert without_durations(records(tmp_path / "a2", step)) == without_durations(records(a, step))
+    assert digest(tmp_path / "a2" / "step_000004") == digest(a / "step_000004")
+
+    # stopped after step 2 and resumed: the same again
     rehearse(tiny, b, "--steps=2")
     out = rehearse(tiny, b, "--steps=4", "--resume=true")
     assert "resumed from" in out.stdout
