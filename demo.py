@@ -44,7 +44,7 @@ def sh(done, *args):
 
 
 def evaluate(model, name):
-    sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model={model}",
+    sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
        f"--out_dir={out}/eval_{name}", f"--seed={seed}")
     with open(f"{out}/eval_{name}/summary.json") as f:
         return json.load(f)

@@ -5,12 +5,12 @@ The paper's protocol (§5): 16 samples per problem, temperature 0.6 (top-p not s
 (model + tool tokens, one budget) and 30 turns; it reports avg@16 (mean accuracy over the 16 samples)
 and the mean response length in tokens. configs/eval_aime.py carries exactly that.
 
-CPU (tiny model):    python eval.py configs/tiny_eval.py --model=out/tiny-sft
-one GPU:             python eval.py configs/eval_aime.py --model=DIR --data=aime24.jsonl
-8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model=DIR --data=aime24.jsonl
+CPU (tiny model):    python eval.py configs/tiny_eval.py --model_path=out/tiny-sft
+one GPU:             python eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
+8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
 convert benchmarks:  python eval.py convert IN.parquet [IN2.jsonl ...] OUT.jsonl
 
---model is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
+--model_path is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
 directory, whose latest step_*/ checkpoint is used. --data is JSONL, one problem per line:
 {"question": "<bare problem text>", "answer": "<gold answer as a string>"} (other fields are kept and
 ignored). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
@@ -268,8 +268,8 @@ if __name__ == "__main__":
     from sandbox import SandboxPool
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
-    model = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ is used)
-    data = ""  # JSONL with "question" and "answer"
+    model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ is used)
+    data_path = ""  # JSONL with "question" and "answer"
     out_dir = "out/eval"
     samples = 16  # k samples per problem
     temperature = 0.6
@@ -293,30 +293,30 @@ if __name__ == "__main__":
     cfg = configure(globals())
 
     rank, world, device = compute_init(seed)
-    if not model or not data:
-        sys.exit("eval error: give --model=DIR and --data=FILE.jsonl (or a config that sets them)")
-    if not os.path.isfile(os.path.join(model, "config.json")) and latest_checkpoint(model):
-        model = latest_checkpoint(model)  # a run directory: its newest checkpoint
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        sys.exit(f"eval error: {model} is neither a model directory (config.json) nor a run directory (step_*/)")
+    if not model_path or not data_path:
+        sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
+    if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path):
+        model_path = latest_checkpoint(model_path)  # a run directory: its newest checkpoint
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
     try:
-        problems = read_jsonl(data, required=("question", "answer"))
+        problems = read_jsonl(data_path, required=("question", "answer"))
     except (ValueError, OSError) as e:
         sys.exit(f"eval error: {e}")
     if limit < 0 or samples < 1:
         sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
     problems = problems[:limit] if limit else problems
     if not problems:
-        sys.exit(f"eval error: {data} has no problems")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+        sys.exit(f"eval error: {data_path} has no problems")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     too_long = [i for i, p in enumerate(problems) if len(agent.render_prompt(tokenizer, p["question"])) > max_prompt_tokens]
     if too_long:
         sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
-                 f"(first: problem {too_long[0]} of {data}); raise --max_prompt_tokens")
-    policy = load_model(model, device=device, dtype=getattr(torch, dtype)).eval()
+                 f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
+    policy = load_model(model_path, device=device, dtype=getattr(torch, dtype)).eval()
     max_len = max_prompt_tokens + max_response_tokens
     rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
-    print0(f"eval: {len(problems)} problems × {samples} samples from {data} | model {model} | T {temperature} "
+    print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
     pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
     t0 = time.time()
@@ -327,12 +327,12 @@ if __name__ == "__main__":
         summary, per_problem, trajs = evaluate(engine, tokenizer, problems, samples, max_response_tokens, scheduler,
                                                score_truncated=score_truncated)
     wall = time.time() - t0
-    summary.update(model=model, temperature=temperature, wall_s=wall, config=cfg)
+    summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg)
 
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         k = samples
-        table = [f"# eval of {model} on {data}", "",
+        table = [f"# eval of {model_path} on {data_path}", "",
                  f"{len(problems)} problems × {k} samples, temperature {temperature}, top-p {top_p}, "
                  f"{max_response_tokens} tokens, {max_turns} turns, seed {seed}", "",
                  "| metric | value |", "|---|---|",

@@ -1,8 +1,8 @@
 # held-out avg@4 of the tiny model on CPU (the demo runs this before and after RL):
-#   python eval.py configs/tiny_eval.py --model=out/tiny-sft
-#   python eval.py configs/tiny_eval.py --model=out/tiny-rl     (a run dir: its latest step_*/)
-model = "out/tiny-rl"
-data = "out/data/heldout.jsonl"
+#   python eval.py configs/tiny_eval.py --model_path=out/tiny-sft
+#   python eval.py configs/tiny_eval.py --model_path=out/tiny-rl     (a run dir: its latest step_*/)
+model_path = "out/tiny-rl"
+data_path = "out/data/heldout.jsonl"
 out_dir = "out/eval_tiny"
 samples = 4
 temperature = 1.0            # the RL sampling temperature: what the policy was trained at

@@ -217,8 +217,8 @@ def tiny(tmp_path_factory):
 def run_eval(tiny, out_dir, *extra, ranks=1):
     launch = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    cmd = launch + ["eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}",
-                    f"--data={tiny / 'data' / 'heldout.jsonl'}", f"--out_dir={out_dir}", "--samples=2",
+    cmd = launch + ["eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
+                    f"--data_path={tiny / 'data' / 'heldout.jsonl'}", f"--out_dir={out_dir}", "--samples=2",
                     "--max_response_tokens=48", "--tool_workers=1", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -287,10 +287,10 @@ def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
 def test_script_bad_input_is_named(tiny, tmp_path):
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
-    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}", f"--data={bad}"],
+    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}", f"--data_path={bad}"],
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and "bad.jsonl:1: field 'answer' must be a string" in p.stderr
-    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model={tiny / 'base'}",
-                        f"--data={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"],
+    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
+                        f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"],
                        cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and "longer than max_prompt_tokens=8" in p.stderr

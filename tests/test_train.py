@@ -73,7 +73,7 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
 
 
 def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
-    out = run("eval.py", "configs/tiny_eval.py", f"--model={sft}/sft", f"--data={sft}/data/rl.jsonl",
+    out = run("eval.py", "configs/tiny_eval.py", f"--model_path={sft}/sft", f"--data_path={sft}/data/rl.jsonl",
               f"--out_dir={tmp_path}/ev", "--samples=2", "--max_response_tokens=96", "--tool_workers=1")
     summary = json.load(open(tmp_path / "ev" / "summary.json"))
     assert summary["avg@k"] > 0  # the SFT model solves some of the problems it was trained on
