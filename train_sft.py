@@ -44,6 +44,7 @@ import re
 import sys
 import time
 
+import jinja2
 import torch
 
 import agent
@@ -59,7 +60,7 @@ def check_chat(messages, tools):
     """
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError('"tools" must be a list of JSON schemas (objects)')
-    names = {t.get("function", t).get("name") for t in tools or []}
+    names = {(t["function"] if isinstance(t.get("function"), dict) else t).get("name") for t in tools or []}
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list')
     out, pending, seen_user = [], 0, False  # pending: calls of the last assistant turn not yet answered
@@ -194,6 +195,8 @@ def load(tokenizer, f, path, fmt, row):
         return render_chat(tokenizer, messages, tools)
     except ValueError as e:
         raise ValueError(f"{path}:{row[1]}: {e}") from None
+    except (TypeError, jinja2.TemplateError) as e:  # raised while rendering (a template's raise_exception)
+        raise ValueError(f"{path}:{row[1]}: chat template: {type(e).__name__}: {e}") from None
 
 
 def epoch_order(sizes, weights, seed, epoch):
@@ -333,8 +336,9 @@ if __name__ == "__main__":
             if dist.is_initialized():
                 dist.all_reduce(loss_sum)
             step += 1
-            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "skipped": skipped, "grad_norm":
-                              float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)})
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
+                              "skipped": skipped})
             if step % log_every == 0 or step == total:
                 print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
                        f"dt {time.perf_counter() - t0:.2f}s")

@@ -142,7 +142,8 @@ def test_chat_path_reproduces_the_rstar2_rollout_tokens(tiny):
     tok = tokenizer(tiny)
     for line in open(tiny / "data" / "sft.jsonl"):
         messages = json.loads(line)["messages"]
-        ids, mask = train_sft.render_chat(tok, train_sft.check_chat(messages, [agent.TOOL_SCHEMA]), [agent.TOOL_SCHEMA])
+        tools = [agent.TOOL_SCHEMA]
+        ids, mask = train_sft.render_chat(tok, train_sft.check_chat(messages, tools), tools)
         want_ids, want_mask = agent.render_conversation(tok, messages)
         assert tok.decode(ids[len(want_ids):]) == "\n"  # the template's newline after the last <|im_end|>
         assert (ids[:len(want_ids)], mask[:len(want_ids)]) == (want_ids, want_mask)
@@ -156,7 +157,8 @@ def test_rstar2_files_render_and_order_as_before(tiny):
     assert len(rows) == len(lines) == 16
     with open(path, "rb") as f:
         for row, conv in zip(rows, lines):
-            assert train_sft.load(tok, f, path, "rstar2", row) == agent.render_conversation(tok, conv["messages"])
+            want = agent.render_conversation(tok, conv["messages"])
+            assert train_sft.load(tok, f, path, "rstar2", row) == want
     # one file of weight 1: the epoch order of the single-file script (randperm seeded with seed + epoch)
     for epoch in range(3):
         old = torch.randperm(16, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
@@ -215,8 +217,8 @@ def test_bad_conversations_name_file_and_line(tmp_path, fmt, row, error):
 def test_a_template_that_rerenders_past_turns_is_an_error(tiny, tmp_path):
     # like Qwen3's own template: an empty <think></think> on the last assistant turn only, so the rendering
     # up to an assistant turn is not a prefix of the whole conversation
-    qwen3ish = QWEN.replace("{{- message.content or '' }}",
-                            "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- message.content or '' }}")
+    body = "{{- message.content or '' }}"
+    qwen3ish = QWEN.replace(body, "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}" + body)
     assert qwen3ish != QWEN
     tok = tokenizer(tiny, qwen3ish)
     path = write(tmp_path / "chat.jsonl", [{"messages": [U, A]}, {"messages": CHAT, "tools": [WEATHER, CLOCK]}])
@@ -227,6 +229,15 @@ def test_a_template_that_rerenders_past_turns_is_an_error(tiny, tmp_path):
         with pytest.raises(ValueError, match=f"^{path}:2: message 2: the chat template renders this assistant turn "
                                              "differently once later messages follow"):
             train_sft.load(tok, f, str(path), "chat", rows[1])
+
+def test_a_template_error_names_file_and_line(tiny, tmp_path):
+    # the tiny tokenizer's template (data.py) refuses a system message after the first: its raise_exception
+    tok = tokenizer(tiny)
+    path = write(tmp_path / "chat.jsonl", [{"messages": [U, A, {"role": "system", "content": "s"}, U, A]}])
+    rows = train_sft.index_file(str(path), "chat")  # well-formed: only the template objects
+    with open(path, "rb") as f, pytest.raises(ValueError, match=f"^{path}:1: chat template: TemplateError: "
+                                                                "only one system message, first, is supported"):
+        train_sft.load(tok, f, str(path), "chat", rows[0])
 
 # -----------------------------------------------------------------------------
 # the script on a mix of both kinds
@@ -297,7 +308,8 @@ def test_two_ranks_match_one(tiny, mixed, tmp_path):
     # (Adam divides tiny gradients by tiny norms), far below what one different batch would change
     out, _ = sft(tiny, tmp_path / "sft2", ranks=2)
     one, two = read_metrics(mixed[0]), read_metrics(out)
-    assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, 25))  # 28 conversations, 8 a step, 6 epochs
+    # 28 conversations, 8 a step, 6 epochs
+    assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, 25))
     assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-6)
     assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-3)
     a, b = load_file(mixed[0] / "model.safetensors"), load_file(out / "model.safetensors")
