@@ -49,7 +49,6 @@ import torch
 
 import agent
 
-FORMATS = ("rstar2", "chat")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # the template marks assistant tokens itself
 
 
@@ -253,7 +252,7 @@ if __name__ == "__main__":
     # data: every line is checked up front (errors name the file and line), then streamed by offset
     mix = []
     for entry in data_mix:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[1] in FORMATS
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[1] in ("rstar2", "chat")
                 and isinstance(entry[2], (int, float)) and entry[2] >= 0):
             sys.exit(f"config error: data_mix entries are (path, 'rstar2' | 'chat', weight >= 0), got {entry!r}")
         path, fmt, weight = entry
