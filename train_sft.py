@@ -1,121 +1,350 @@
 """
-Non-reasoning SFT: teach a base model the agent protocol before RL (paper §4.1) — instruction
-following, the JSON tool-call format, `<reason>`/`<answer>` tags — with no reasoning traces.
+Non-reasoning SFT (paper §4.1): teach a base model instruction following, many tools' call format and
+the agent protocol before RL, with no reasoning traces. Loss on the assistant's tokens only.
 
 CPU (tiny model):  python train_sft.py configs/tiny_sft.py
 8+ GPUs:           torchrun --nproc_per_node 8 train_sft.py configs/sft.py
 
-Data: JSONL, one conversation per line: {"messages": [...]} with OpenAI-style messages (system, user,
-assistant with optional "tool_calls" [{"type": "function", "function": {"name", "arguments"}}], tool).
-Each conversation is rendered by agent.render_conversation exactly as an RL rollout builds its tokens
-(prompt, then sampled turns and tool-response suffixes), and the loss is on the assistant's tokens
-only — the same mask rule as RL. Sequences are packed into token-budget micro-batches; cosine LR with
-4% warm-up; FSDP2 under torchrun; the result is an HF directory that every other script loads.
+Data: JSONL files, one conversation per line, in the OpenAI / Hugging Face chat format:
+    {"messages": [...], "tools": [...]}
+messages: system (optional), user, assistant ("content" and/or "tool_calls": [{"type": "function",
+"function": {"name", "arguments"}}], arguments a JSON object or a string holding one), tool (the results
+of the calls before it, one message per call, in order); any number of turns; the last message is an
+assistant reply without tool calls. tools: the JSON schemas of the functions the conversation may call.
+
+Each file of the mix declares how it is rendered, data_mix = [(path, format, weight), ...]:
+  "rstar2"  agent.render_conversation: the rStar2-Agent protocol exactly as an RL rollout builds its
+            tokens (the Python tool only, the answer-format user prefix, replies starting with <reason>;
+            the mask is 1 on what the policy samples). "tools" must be absent. The tiny run's data.
+  "chat"    the tokenizer's own chat template (or the file in chat_template): any roles, turns and
+            tools. The mask is 1 on each assistant message's tokens, found from the template itself:
+            where it has {% generation %} markers, from those (return_assistant_tokens_mask); otherwise
+            by rendering the conversation up to each assistant message, without it, and as a generation
+            prompt: both renderings must be prefixes of the whole (else an error), the message's tokens
+            are what it adds, less the generation prompt's header (mask 0, the model never samples it)
+            and trailing whitespace (the newline between turns). Each stretch is tokenized on its own,
+            the way a rollout appends tokens.
+weight w: each epoch takes every conversation of the file ⌊w⌋ times plus a fresh random (w - ⌊w⌋)
+share of them; the epoch is then shuffled. One file of weight 1 gives exactly the old single-file order.
+
+Every line is parsed and checked before training (errors name file:line: bad JSON, an unknown role, a
+tool message with no call before it, a call to a tool not in "tools", a conversation that does not end
+on an assistant reply, ...); nothing is dropped silently. Conversations are then streamed: each step
+reads its lines by byte offset; each rank renders 1/world of them and all ranks gather the whole batch
+(a chat template is slow Python: ~9 ms for a 4-turn tool conversation on our CPU). Conversations longer
+than max_seq_len are skipped and counted. Sequences are packed into
+token-budget micro-batches; cosine LR with 4% warm-up; FSDP2 under torchrun; the result is an HF
+directory (with the tokenizer and the chat template it was trained with) that every other script loads.
+Importing this file runs nothing: the tests use the functions below.
 """
 import json
 import math
+import os
+import re
+import sys
 import time
 
+import jinja2
 import torch
-import torch.distributed as dist
-from transformers import AutoTokenizer
 
 import agent
-from common import (Logger, compute_cleanup, compute_init, pack, collate, print0)
-from configurator import configure
-from model import load_model, load_weights, save_model, shard_model, token_logprobs, use_flash
 
-# -----------------------------------------------------------------------------
-model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
-data_path = "out/data/sft.jsonl"
-out_dir = "out/tiny-sft"  # the SFT model is written here in HF format
-epochs = 3  # paper: 3
-lr = 5e-6  # paper: 5e-6 (peak; cosine decay to lr_min_ratio · lr)
-lr_min_ratio = 0.0
-warmup_ratio = 0.04  # paper: 4 %
-batch_size = 128  # conversations per optimizer step, all ranks together (paper: 128)
-max_tokens_per_micro = 8192  # packed tokens per micro-batch and rank
-max_seq_len = 8192  # longer conversations are skipped (and counted)
-weight_decay = 0.0
-grad_clip = 1.0
-activation_checkpointing = False
-dtype = "float32"  # compute dtype: "bfloat16" on GPU
-log_every = 10
-seed = 0
-wandb_project = ""
-cfg = configure(globals())
-# -----------------------------------------------------------------------------
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # the template marks assistant tokens itself
 
-rank, world, device = compute_init(seed)
-packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
-tokenizer = AutoTokenizer.from_pretrained(model_path)
 
-# data: every line is checked up front, errors name the file and line
-examples, skipped = [], 0
-with open(data_path) as f:
-    for lineno, line in enumerate(f, 1):
-        if not line.strip():
+def check_chat(messages, tools):
+    """
+    Check a "chat" conversation; return its messages with tool-call arguments as JSON objects (what
+    templates expect: `tojson` of a string would encode it twice). Raises ValueError naming the message.
+    """
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError('"tools" must be a list of JSON schemas (objects)')
+    names = {(t["function"] if isinstance(t.get("function"), dict) else t).get("name") for t in tools or []}
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('"messages" must be a non-empty list')
+    out, pending, seen_user = [], 0, False  # pending: calls of the last assistant turn not yet answered
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {i}: unknown role {role!r} (system, user, assistant or tool)")
+        calls = (m.get("tool_calls") or []) if role == "assistant" else []
+        if not isinstance(calls, list):
+            raise ValueError(f"message {i}: tool_calls must be a list")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(f"message {i}: {role} content must be a string")
+        if role == "tool" and not pending:
+            raise ValueError(f"message {i}: tool message without a preceding tool call")
+        if role != "tool" and pending:
+            raise ValueError(f"message {i}: {role} message while {pending} tool call(s) have no tool message")
+        if role == "assistant" and not seen_user:
+            raise ValueError(f"message {i}: assistant message before any user message")
+        seen_user |= role == "user"
+        pending = len(calls) if role == "assistant" else max(0, pending - 1)
+        fixed = []
+        for call in calls:
+            fn = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
+                raise ValueError(f"message {i}: a tool call needs function.name and function.arguments")
+            if fn["name"] not in names:
+                raise ValueError(f"message {i}: calls {fn['name']!r}, which is not in the conversation's tools")
+            args = fn["arguments"]
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"message {i}: tool call arguments are not valid JSON ({e})") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"message {i}: tool call arguments must be a JSON object")
+            fn = dict(fn, arguments=args)
+            fixed.append(dict(call, function=fn) if "function" in call else fn)
+        out.append(dict(m, tool_calls=fixed) if calls else m)
+    if pending or messages[-1]["role"] != "assistant":
+        last = "unanswered tool calls" if pending else f"a {messages[-1]['role']} message"
+        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant reply "
+                         f"without tool calls, not {last}")
+    return out
+
+
+def render_chat(tokenizer, messages, tools=None):
+    """(ids, mask) of a checked "chat" conversation through the tokenizer's chat template; mask 1 on the
+    assistant's tokens (the rule is in the module docstring). Raises ValueError naming the message when
+    the template does not let the assistant's tokens be told apart."""
+    if GENERATION_TAG.search(tokenizer.get_chat_template(None, tools)):
+        out = tokenizer.apply_chat_template(messages, tools=tools, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        return list(out["input_ids"]), list(out["assistant_masks"])
+
+    def render(msgs, generation_prompt=False):
+        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+
+    full = render(messages)
+    pieces, pos = [], 0  # (text, mask) stretches that make up full, in order
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
             continue
+        before, prompt, after = render(messages[:k]), render(messages[:k], True), render(messages[:k + 1])
+        if not (full.startswith(before) and full.startswith(after) and len(after) > len(before)):
+            raise ValueError(
+                f"message {k}: the chat template renders this assistant turn differently once later messages "
+                "follow (Qwen3's own template does: an empty <think></think> on the last turn only), so its "
+                "tokens cannot be found; use a template with {% generation %} markers or one that renders "
+                "every message the same wherever it stands (config key chat_template, e.g. "
+                "configs/chat_template_qwen.jinja)")
+        turn = after[len(before):]
+        # the header the generation prompt would have forced ('<|im_start|>assistant\n') is not trained
+        head = len(os.path.commonprefix([prompt[len(before):], turn])) if prompt.startswith(before) else 0
+        body = turn[head:].rstrip()  # what the model samples, up to its end-of-turn token
+        start = len(before) + head
+        pieces += [(full[pos:start], 0), (body, 1)]
+        pos = start + len(body)
+    pieces.append((full[pos:], 0))
+    ids, mask = [], []
+    for text, m in pieces:
+        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
+        ids += piece
+        mask += [m] * len(piece)
+    return ids, mask
+
+
+def parse(line, fmt):
+    """One JSONL line of a file in format fmt -> (messages, tools), checked. Raises ValueError."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(row, dict) or "messages" not in row:
+        raise ValueError('expected a JSON object with "messages"')
+    if fmt == "rstar2":
+        if "tools" in row:
+            raise ValueError('an "rstar2" conversation has agent.py\'s one Python tool: leave "tools" out, '
+                             'or declare the file as "chat"')
         try:
-            messages = json.loads(line)["messages"]
-            ids, mask = agent.render_conversation(tokenizer, messages)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise SystemExit(f"{data_path}:{lineno}: {type(e).__name__}: {e}")
-        if len(ids) > max_seq_len:
-            skipped += 1
-            continue
-        examples.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask[1:]})
-print0(f"{len(examples)} conversations from {data_path} ({skipped} longer than {max_seq_len} skipped), "
-       f"{sum(len(e['ids']) for e in examples)} tokens, {sum(sum(e['mask']) for e in examples)} trained")
+            agent.conversation_segments(row["messages"])
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"malformed messages ({e})") from None
+        return row["messages"], None
+    return check_chat(row["messages"], row.get("tools")), row.get("tools")
 
-if dist.is_initialized():
-    model = load_model(model_path, device="meta")
-    shard_model(model, param_dtype=getattr(torch, dtype) if dtype != "float32" else None)
-    load_weights(model, model_path, device)
-else:
-    model = load_model(model_path, device=device, dtype=torch.float32)
-model.gradient_checkpointing = activation_checkpointing
-model.train()
-optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-steps_per_epoch = math.ceil(len(examples) / batch_size)
-total = epochs * steps_per_epoch
-warmup = max(1, round(warmup_ratio * total))
-logger = Logger(out_dir, wandb_project, cfg, rank)
-print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations, {world} rank(s)")
 
-step = 0
-for epoch in range(epochs):
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    for b in range(steps_per_epoch):
-        t0 = time.perf_counter()
-        # cosine schedule with linear warm-up
-        progress = max(0.0, (step - warmup) / max(1, total - warmup))
-        lr_now = lr * min((step + 1) / warmup, lr_min_ratio + (1 - lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-        for group in optimizer.param_groups:
-            group["lr"] = lr_now
-        batch = [examples[i] for i in order[b * batch_size:(b + 1) * batch_size]]
-        n_tokens = sum(sum(e["mask"]) for e in batch)  # token-mean over the whole batch, all ranks
-        bins = pack([len(e["ids"]) for e in batch], max_tokens_per_micro, world)
-        loss_sum = torch.zeros((), device=device)
-        for bin_ in bins[rank::world]:
-            mb = collate([batch[i] for i in bin_], device, packed)
-            lp = token_logprobs(model, mb["ids"], mb["tgt"], mb["seg"])  # (1, N)
-            loss = -(lp * mb["mask"]).sum() / max(1, n_tokens)
-            (loss * world).backward()  # FSDP averages over ranks; we already divided by the global count
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if dist.is_initialized():
-            dist.all_reduce(loss_sum)
-        step += 1
-        logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)})
-        if step % log_every == 0 or step == total:
-            print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
-                   f"dt {time.perf_counter() - t0:.2f}s")
+def index_file(path, fmt):
+    """[(byte offset, line number)] of the conversations (non-empty lines) of a JSONL file, each parsed and
+    checked on the way. Raises ValueError 'path:line: what is wrong'."""
+    rows, offset = [], 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    parse(line, fmt)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from None
+                rows.append((offset, lineno))
+            offset += len(line)
+    return rows
 
-save_model(model, out_dir)
-if rank == 0:
-    tokenizer.save_pretrained(out_dir)
-print0(f"saved {out_dir}")
-compute_cleanup()
+
+def load(tokenizer, f, path, fmt, row):
+    """(ids, mask) of the conversation at row = (offset, line) of the open file f. Raises ValueError
+    'path:line: what is wrong' (a chat template that cannot mask this conversation, for one)."""
+    f.seek(row[0])
+    try:
+        messages, tools = parse(f.readline(), fmt)
+        if fmt == "rstar2":
+            return agent.render_conversation(tokenizer, messages)
+        return render_chat(tokenizer, messages, tools)
+    except ValueError as e:
+        raise ValueError(f"{path}:{row[1]}: {e}") from None
+    except (TypeError, jinja2.TemplateError) as e:  # raised while rendering (a template's raise_exception)
+        raise ValueError(f"{path}:{row[1]}: chat template: {type(e).__name__}: {e}") from None
+
+
+def epoch_order(sizes, weights, seed, epoch):
+    """The (file, conversation) pairs of one epoch, shuffled: file j gives weights[j] × sizes[j] of them."""
+    items = []
+    for j, (n, w) in enumerate(zip(sizes, weights)):
+        idx = list(range(n)) * int(w)
+        if w > int(w):  # a fresh random share each epoch (int tuples hash the same in every process)
+            g = torch.Generator().manual_seed(hash((seed, epoch, j)))
+            idx += torch.randperm(n, generator=g)[:round((w - int(w)) * n)].tolist()
+        items += [(j, i) for i in idx]
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return [items[i] for i in order]
+
+
+# -----------------------------------------------------------------------------
+# the script
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from common import Logger, collate, compute_cleanup, compute_init, pack, print0
+    from configurator import configure
+    from model import load_model, load_weights, save_model, shard_model, token_logprobs, use_flash
+
+    model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
+    data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]  # [(JSONL path, "rstar2" | "chat", weight), ...]
+    chat_template = ""  # a jinja file used instead of the tokenizer's own chat template ("chat" files)
+    out_dir = "out/tiny-sft"  # the SFT model is written here in HF format
+    epochs = 3  # paper: 3
+    lr = 5e-6  # paper: 5e-6 (peak; cosine decay to lr_min_ratio · lr)
+    lr_min_ratio = 0.0
+    warmup_ratio = 0.04  # paper: 4 %
+    batch_size = 128  # conversations per optimizer step, all ranks together (paper: 128)
+    max_tokens_per_micro = 8192  # packed tokens per micro-batch and rank
+    max_seq_len = 8192  # longer conversations are skipped (and counted)
+    weight_decay = 0.0
+    grad_clip = 1.0
+    activation_checkpointing = False
+    dtype = "float32"  # compute dtype: "bfloat16" on GPU
+    log_every = 10
+    seed = 0
+    wandb_project = ""
+    cfg = configure(globals())
+
+    rank, world, device = compute_init(seed)
+    packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if chat_template:
+        with open(chat_template) as f:
+            tokenizer.chat_template = f.read()
+
+    # data: every line is checked up front (errors name the file and line), then streamed by offset
+    mix = []
+    for entry in data_mix:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[1] in ("rstar2", "chat")
+                and isinstance(entry[2], (int, float)) and entry[2] >= 0):
+            sys.exit(f"config error: data_mix entries are (path, 'rstar2' | 'chat', weight >= 0), got {entry!r}")
+        path, fmt, weight = entry
+        if fmt == "chat" and not tokenizer.chat_template:
+            sys.exit(f"config error: {path} is a 'chat' file, but {model_path}'s tokenizer has no chat template; "
+                     "set chat_template=FILE")
+        try:
+            rows = index_file(path, fmt)
+        except (ValueError, OSError) as e:
+            sys.exit(f"data error: {e}")
+        mix.append((path, fmt, float(weight), rows, open(path, "rb")))
+        print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
+    sizes, weights = [len(m[3]) for m in mix], [m[2] for m in mix]
+    epoch_len = len(epoch_order(sizes, weights, seed, 0))
+    if epoch_len == 0:
+        sys.exit("data error: the mix has no conversations")
+
+    if dist.is_initialized():
+        model = load_model(model_path, device="meta")
+        shard_model(model, param_dtype=getattr(torch, dtype) if dtype != "float32" else None)
+        load_weights(model, model_path, device)
+    else:
+        model = load_model(model_path, device=device, dtype=torch.float32)
+    model.gradient_checkpointing = activation_checkpointing
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = math.ceil(epoch_len / batch_size)
+    total = epochs * steps_per_epoch
+    warmup = max(1, round(warmup_ratio * total))
+    logger = Logger(out_dir, wandb_project, cfg, rank)
+    print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
+           f"({epoch_len} per epoch), {world} rank(s)")
+
+    step, skipped, trained = 0, 0, 0
+    for epoch in range(epochs):
+        order = epoch_order(sizes, weights, seed, epoch)
+        for b in range(steps_per_epoch):
+            t0 = time.perf_counter()
+            # cosine schedule with linear warm-up
+            progress = max(0.0, (step - warmup) / max(1, total - warmup))
+            lr_now = lr * min((step + 1) / warmup, lr_min_ratio + (1 - lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            # render this step's conversations: each rank renders every world-th one (a chat template is
+            # slow Python), then all ranks gather them all, in batch order, so all agree on the packing
+            items, mine = order[b * batch_size:(b + 1) * batch_size], []
+            for j, i in items[rank::world]:
+                path, fmt, _, rows, f = mix[j]
+                try:
+                    mine.append(load(tokenizer, f, path, fmt, rows[i]))
+                except ValueError as e:
+                    mine.append(str(e))  # every rank must reach the gather, then all stop
+            shares = [mine]
+            if dist.is_initialized():
+                shares = [None] * world
+                dist.all_gather_object(shares, mine)
+            batch = []
+            for k in range(len(items)):
+                rendered = shares[k % world][k // world]
+                if isinstance(rendered, str):
+                    sys.exit(f"data error: {rendered}")
+                ids, mask = rendered
+                if len(ids) > max_seq_len:
+                    skipped += 1
+                    continue
+                batch.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask[1:]})
+            n_tokens = sum(sum(e["mask"]) for e in batch)  # token-mean over the whole batch, all ranks
+            trained += n_tokens
+            bins = pack([len(e["ids"]) for e in batch], max_tokens_per_micro, world)
+            loss_sum = torch.zeros((), device=device)
+            for bin_ in bins[rank::world]:
+                mb = collate([batch[i] for i in bin_], device, packed)
+                lp = token_logprobs(model, mb["ids"], mb["tgt"], mb["seg"])  # (1, N)
+                loss = -(lp * mb["mask"]).sum() / max(1, n_tokens)
+                (loss * world).backward()  # FSDP averages over ranks; we already divided by the global count
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if dist.is_initialized():
+                dist.all_reduce(loss_sum)
+            step += 1
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
+                              "skipped": skipped})
+            if step % log_every == 0 or step == total:
+                print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
+                       f"dt {time.perf_counter() - t0:.2f}s")
+
+    save_model(model, out_dir)
+    if rank == 0:
+        tokenizer.save_pretrained(out_dir)  # with the chat template the "chat" data was rendered by
+    print0(f"saved {out_dir}: {trained} assistant tokens trained; {skipped} conversation(s) longer than "
+           f"{max_seq_len} tokens skipped")
+    compute_cleanup()

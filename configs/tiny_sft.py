@@ -1,7 +1,7 @@
 # the tiny CPU run's SFT: teaches a random 1.1M-param Qwen3 the protocol on 5,000 arithmetic traces
 #   python train_sft.py configs/tiny_sft.py
 model_path = "out/tiny-base"
-data_path = "out/data/sft.jsonl"
+data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]  # rStar2-protocol traces made by data.py, rendered by agent.py
 out_dir = "out/tiny-sft"
 epochs = 4           # 5,000 traces × 4 = 1,250 steps: copying numbers into code and answers emerges after ~300
 lr = 3e-3            # a tiny model wants a large LR; the 14B recipe uses 5e-6

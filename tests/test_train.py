@@ -37,7 +37,8 @@ def sft(tmp_path_factory):
         for line in f:
             row = json.loads(line)
             g.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
-    run("train_sft.py", "configs/tiny_sft.py", f"--model_path={d}/base", f"--data_path={d}/data/sft.jsonl",
+    run("train_sft.py", "configs/tiny_sft.py", f"--model_path={d}/base",
+        f"--data_mix=[('{d}/data/sft.jsonl', 'rstar2', 1.0)]",
         f"--out_dir={d}/sft", "--epochs=60", "--batch_size=12", "--lr=1e-2", "--log_every=1000")
     return d
 
@@ -87,6 +88,7 @@ def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
                        ("tool", '{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')]:
         sft_bad = tmp_path / f"sft_bad_{name}.jsonl"
         sft_bad.write_text(good + line)
-        out = run("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft", f"--data_path={sft_bad}",
+        out = run("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft",
+                  f"--data_mix=[('{sft_bad}', 'rstar2', 1.0)]",
                   f"--out_dir={tmp_path}/y", check=False)
         assert out.returncode != 0 and f"{sft_bad}:2:" in out.stderr, (name, out.stderr[-500:])
