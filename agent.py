@@ -22,7 +22,7 @@ tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's multi_turn defa
   messages alone and cuts off the rendered default system turn, which ends in the "\n";
 - a response is code-judge's verdict in the client's words: "Tool call success" or "Tool call failure"
   + "reason: " (worker_timeout or empty), then "stdout: ..." and "stderr: ..." when not empty (each cut
-  to 1000 chars by code-judge, kept with their trailing newline), then "execution time: 0.12s";
+  to 1000 chars by code-judge, kept with their trailing newline), then "execution time: 0.01s";
 - the whole text is cut to max_chars characters (verl's max_tool_response_length, 256, not overridden
   in training or in the eval scripts): first and last max_chars // 2 around "...(truncated)...";
 - a block whose JSON fails to load or is not an object with "name" and "arguments" is answered
@@ -46,7 +46,12 @@ How a sandbox result maps onto code-judge's report (run with the README's MAX_EX
 Lines of stderr starting "[sandbox] " are our pool's notes (why a call was stopped, what was cut): the
 release has no such lines, so they are left out.
 
-Choices that differ from the release on purpose; none changes what the released model sees at eval:
+Choices that differ from the release on purpose (none changes the form of what the released model sees):
+- "execution time" is not measured: it is 0.01s (what the release shows for a quick call; its
+  failures show 0.05-0.2s, the start of a fresh python3), and for a timeout the duration in whole
+  seconds, i.e. the limit (4.00s; the release shows ~4.1s). A measured time would make the same
+  rollout tokenize differently from run to run: no exact resume, no reproducible tiny run. Only the
+  digits can differ from what the released model saw, not the format;
 - tool name execute_python_code_with_standard_io (paper Fig. 3, the HF model card) where the repo's
   yaml registers python_code_with_standard_io: the released weights call the former, and the repo's
   loop would answer every such call "Error when executing tool: 'execute_python_code_with_standard_io'";
@@ -55,8 +60,6 @@ Choices that differ from the release on purpose; none changes what the released 
 - the reference template's quirk (an assistant message without tool calls is rendered with the user
   prefix) is not reproduced by render_conversation.
 Where we cannot be identical (the release's text depends on things we do not have):
-- "execution time" is our sandbox's duration: a forked warm worker, so a trivial call shows 0.00s
-  where the release (a fresh python3, whose failures are timed from process start) shows 0.01-0.2s;
 - a non-string "name" is answered "Failed to decode tool call: ..." as in the release, but not with
   pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
   the whole failed batch, other trajectories' calls included;
@@ -238,7 +241,8 @@ def tool_response_text(result, max_chars=256):
         raise ValueError(f"unknown sandbox result status {status!r}")
     stdout, stderr = stdout[:OUTPUT_CAP], _without_notes(result.stderr)[:OUTPUT_CAP]
     parts = head + ([f"stdout: {stdout}"] if stdout else []) + ([f"stderr: {stderr}"] if stderr else [])
-    return truncate("\n".join(parts + [f"execution time: {result.duration:.2f}s"]), max_chars)
+    seconds = round(result.duration) if status == "timeout" else 0.01  # not measured: see the module docstring
+    return truncate("\n".join(parts + [f"execution time: {seconds:.2f}s"]), max_chars)
 
 
 def tool_suffix_text(responses):

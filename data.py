@@ -168,8 +168,6 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
         bad = rng.choice([f"prnt({expr})", f"result = {expr}\nprint(reslt)", f"print({expr}"])
     codes = [bad, good] if bad else [good]
     results = run([(code, "") for code in codes])
-    for r in results:  # the shown execution time is fixed: the traces (and the tokenizer) stay reproducible
-        r.duration = 0.01
     texts = [agent.tool_response_text(r) for r in results]
     if bad and results[0].status != "error":
         raise RuntimeError(f"buggy code {bad!r} did not fail: {results[0].status} {texts[0]!r}")
