@@ -219,11 +219,11 @@ def test_surplus_and_unclosed_calls():
     assert agent.parse_tool_calls("</tool_call> then <tool_call>") == []
 
 
-def test_surplus_calls_get_no_record(tmp_path):
+def test_surplus_calls_get_no_record():
     # the engine with a scripted policy: one turn with 3 calls, max_calls_per_turn=1 -> one call executed,
     # one record, one <tool_response>
     from rollout import Engine, Request, iter_claim
-    from test_rollout import Script, SlowTools
+    from test_rollout import Script, SlowTools  # its scripted policy and tools
     tok = data.train_tokenizer([agent.prompt_text("What is 8 * 8?") + block(OK_CALL) + "<|im_end|>"])
     prompt = agent.render_prompt(tok, "What is 8 * 8?")
     calls = "".join(block({"name": agent.TOOL_NAME, "arguments": {"code": f"print({v})", "input": ""}}) for v in (64, 65, 66))
@@ -293,7 +293,7 @@ KINDS = {
 
 
 @pytest.fixture(scope="module")
-def bpe(tok):
+def bpe():
     """A second byte-level BPE, pre-tokenized like Qwen2's (digits one by one, newlines runs kept apart),
     trained on tool turns: a tokenizer whose merges differ from the tiny one's."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
