@@ -2,26 +2,74 @@
 The rStar2-Agent protocol: prompt, tool calls, tool responses, answer extraction and the 0/1 reward.
 
 Everything here is text and token ids; no model and no sandbox is imported. The format is the one the
-released rStar2-Agent-14B was trained with (reference/rstar2_chat_template.jinja, rendered by hand here):
+released rStar2-Agent-14B was trained with (tests/fixtures/rstar2_chat_template.jinja, rendered by hand):
 
     <|im_start|>system\n{SYSTEM_PROMPT}{tools block}<|im_end|>\n
     <|im_start|>user\n{USER_PREFIX}{question}<|im_end|>\n
     <|im_start|>assistant\n<reason>                                   <- forced, mask 0
     ... </reason>\n<tool_call>\n{"name": ..., "arguments": {"code": ..., "input": ...}}\n</tool_call><|im_end|>
-    \n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>
+    <|im_start|>user\n<tool_response>\nTool call success\nstdout: 42\n\nexecution time: 0.01s\n</tool_response>
+    <|im_end|>\n<|im_start|>assistant\n<reason>                         <- the tool turn, mask 0
     ... </reason>\n<answer>\\boxed{42}</answer><|im_end|>
 
 A trajectory is built token-in/token-out: the prompt ids, then the ids the policy sampled (mask 1), then
 the tool-response suffix (mask 0), and so on. Nothing is ever re-rendered from messages, which is why
 render_conversation (for SFT) builds ids from the very same pieces the rollout appends.
 
-Deviations from the released code, on purpose:
-- every tool call is answered: a call beyond max_calls gets a "skipped" response instead of being
-  dropped silently (verl drops it);
+The tool turn is the release's, token for token (rStar repo: rstar2_agent/rollout/rstar2_agent_loop.py,
+tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's multi_turn defaults; code-judge):
+- there is no "\n" between the model's <|im_end|> and "<|im_start|>user": the release renders the tool
+  messages alone and cuts off the rendered default system turn, which ends in the "\n";
+- a response is code-judge's verdict in the client's words: "Tool call success" or "Tool call failure"
+  + "reason: " (worker_timeout or empty), then "stdout: ..." and "stderr: ..." when not empty (each cut
+  to 1000 chars by code-judge, kept with their trailing newline), then "execution time: 0.01s";
+- the whole text is cut to max_chars characters (verl's max_tool_response_length, 256, not overridden
+  in training or in the eval scripts): first and last max_chars // 2 around "...(truncated)...";
+- a block whose JSON fails to load or is not an object with "name" and "arguments" is answered
+  "Failed to decode tool call: <exception>"; an unknown tool or bad arguments get "Error when executing
+  tool: <exception>" (the exception the release's code raises, e.g. for arguments given as a JSON
+  string: "'str' object has no attribute 'get'"); neither is cut to max_chars;
+- only the first max_calls <tool_call> blocks of a turn count (verl's max_parallel_calls, 1): the rest
+  get no response and no record; a turn without a closed block has no calls, so the trajectory ends.
+
+How a sandbox result maps onto code-judge's report (run with the README's MAX_EXECUTION_TIME=4):
+    ok        success; stdout is what was printed, then the repr of a trailing expression (our `value`,
+              which the release's harness prints too: IPython-style, and only when it is not None)
+    error     failure, reason "", no stdout: the harness ends with os._exit(1), which drops what print()
+              left in the pipe's buffer; stderr is the error
+    memory    failure, reason "", no stdout (the MemoryError is an error to the harness)
+    crash     failure, reason "", no stdout (a process killed by a signal does not flush either)
+    timeout   failure, reason worker_timeout, stdout = what was printed + "Suicide from timeout.\n" (the
+              alarm handler's words, printed with flush=True)
+    overloaded  the release retries a queue timeout 4 times, then the call raises: "Error when executing
+              tool: run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
+Lines of stderr starting "[sandbox] " are our pool's notes (why a call was stopped, what was cut): the
+release has no such lines, so they are left out.
+
+Choices that differ from the release on purpose (none changes the form of what the released model sees):
+- "execution time" is not measured: it is 0.01s (what the release shows for a quick call; its
+  failures show 0.05-0.2s, the start of a fresh python3), and for a timeout the duration in whole
+  seconds, i.e. the limit (4.00s; the release shows ~4.1s). A measured time would make the same
+  rollout tokenize differently from run to run: no exact resume, no reproducible tiny run. Only the
+  digits can differ from what the released model saw, not the format;
+- tool name execute_python_code_with_standard_io (paper Fig. 3, the HF model card) where the repo's
+  yaml registers python_code_with_standard_io: the released weights call the former, and the repo's
+  loop would answer every such call "Error when executing tool: 'execute_python_code_with_standard_io'";
 - the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule), and uses
   math-verify only (the code OR-s it with the PRIME grader);
 - the reference template's quirk (an assistant message without tool calls is rendered with the user
   prefix) is not reproduced by render_conversation.
+Where we cannot be identical (the release's text depends on things we do not have):
+- a non-string "name" is answered "Failed to decode tool call: ..." as in the release, but not with
+  pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
+  the whole failed batch, other trajectories' calls included;
+- a timeout always adds "Suicide from timeout." (the release's CPU-rlimit kill, which can come first
+  inside a long C call, prints nothing), and error drops stdout also after sys.exit(n != 0), which the
+  release keeps (SystemExit is not caught by its harness);
+- what is in stdout and stderr is the sandbox's, and differs from the release's harness: a traceback
+  where the harness writes "NameError at line 3: ...\n  <the line>", warnings from <code> instead of
+  <string>, and a trailing expression's repr only when nothing was printed (the harness prints it
+  after the output too).
 """
 
 import atexit
@@ -120,98 +168,95 @@ class ToolCall:
 TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
+OUTPUT_CAP = 1000  # chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
+OVERLOADED = EXEC_ERROR + "run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
 
 
 def _parse_one_call(block):
-    # returns a ToolCall, or the error text the model gets back instead of a result
+    # returns a ToolCall, or the text the release answers instead of running anything. The checks are the
+    # ones its code makes, in its order, and the messages are those of the exceptions it would raise.
     try:
-        call = json.loads(block)
-    except json.JSONDecodeError as e:
+        call = json.loads(block)  # not stripped: a JSON error's line and column count from the "\n"
+        name, args = call["name"], call["arguments"]
+    except Exception as e:
         return f"Failed to decode tool call: {e}"
-    if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-        return 'Failed to decode tool call: expected a JSON object with "name" and "arguments"'
-    if call["name"] != TOOL_NAME:
-        return f"Unknown tool {call['name']!r}; the only tool is {TOOL_NAME!r}"
-    args = call["arguments"]
-    if isinstance(args, str):  # some models emit the arguments object as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            return f"Failed to decode tool call arguments: {e}"
-    if not isinstance(args, dict):
-        return 'Tool call arguments must be a JSON object with "code" and "input"'
-    if not isinstance(args.get("code"), str):
-        return 'Tool call arguments need "code" as a string' + ("" if "code" in args else " (it is missing)")
-    stdin = args.get("input")
-    stdin = "" if stdin is None else stdin
-    if not isinstance(stdin, str):
-        return 'Tool call argument "input" must be a string'
-    return ToolCall(code=args["code"], stdin=stdin)
+    if not isinstance(name, str):  # verl's FunctionCall (pydantic) refuses it, inside the same try
+        return f"Failed to decode tool call: the name must be a string, not {type(name).__name__}"
+    if name != TOOL_NAME:
+        return EXEC_ERROR + repr(name)  # a KeyError in the tools dict prints as the key's repr
+    if not isinstance(args, dict):  # e.g. the arguments object sent as a JSON string
+        return EXEC_ERROR + f"'{type(args).__name__}' object has no attribute 'get'"
+    code, stdin = args.get("code", ""), args.get("input", "")
+    if not isinstance(code, str):  # the client base64-encodes code.encode()
+        return EXEC_ERROR + f"'{type(code).__name__}' object has no attribute 'encode'"
+    if stdin is not None and not isinstance(stdin, str):  # code-judge answers 422, the client gives up
+        return OVERLOADED
+    return ToolCall(code=code, stdin=stdin or "")
 
 
 def parse_tool_calls(turn_text, max_calls=1):
     """
-    Every <tool_call>...</tool_call> block of a finished assistant turn, in order. Each item is a ToolCall
-    to execute or a str to answer with verbatim (bad JSON, unknown tool, bad arguments, a call beyond
-    max_calls, an unclosed block), so every block the model wrote gets exactly one response.
+    The tool calls of a finished assistant turn: its first max_calls <tool_call>...</tool_call> blocks,
+    in order. Each item is a ToolCall to execute or a str to answer with verbatim (bad JSON, unknown
+    tool, bad arguments). Blocks beyond max_calls are dropped, and a turn without both tags has no
+    calls, as in the release.
     """
     if max_calls < 1:
         raise ValueError(f"max_calls must be >= 1, got {max_calls}")
-    out, end = [], 0
-    for m in _TOOL_CALL_RE.finditer(turn_text):
-        if len(out) >= max_calls:
-            out.append(f"Only {max_calls} tool call(s) per turn are executed; this one was skipped.")
-        else:
-            out.append(_parse_one_call(m.group(1).strip()))
-        end = m.end()
-    # an opening tag after the last closed block (the model ended its turn mid-call) is answered too
-    if "<tool_call>" in turn_text[end:]:
-        out.append("Failed to decode tool call: <tool_call> was not closed with </tool_call>")
-    return out
+    if "<tool_call>" not in turn_text or "</tool_call>" not in turn_text:
+        return []
+    return [_parse_one_call(block) for block in _TOOL_CALL_RE.findall(turn_text)[:max_calls]]
 
 
 def truncate(text, max_chars):
-    """Keep the head and the tail of text (max_chars in all) around a marker saying how much was cut."""
+    """The release's cut: the first and last max_chars // 2 characters around "...(truncated)..."."""
     if max_chars < 2:
         raise ValueError(f"max_chars must be >= 2, got {max_chars}")
     if len(text) <= max_chars:
         return text
-    head = max_chars // 2
-    tail = max_chars - head
-    return f"{text[:head]}\n...(truncated {len(text) - max_chars} chars)...\n{text[-tail:]}"
+    half = max_chars // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
 
 
-def tool_response_text(result, max_chars=1000):
+def _without_notes(stderr):
+    # drop the pool's trailing "[sandbox] ..." lines: the release has nothing like them
+    lines = stderr.splitlines(keepends=True)
+    while lines and lines[-1].startswith("[sandbox] "):
+        lines.pop()
+    return "".join(lines)
+
+
+def tool_response_text(result, max_chars=256):
     """
     The text the model sees for one sandbox result (duck-typed: .status, .stdout, .stderr, .value,
-    .duration). The paper's four kinds: stdout; the repr of a trailing expression when nothing was
-    printed; the error with its traceback; a timeout. Memory, crash and overload get short texts too.
+    .duration), worded as the release's client words code-judge's report of the same run (the mapping
+    is in the module docstring), then cut to max_chars.
     """
-    status, out = result.status, result.stdout or result.value  # value is set only when nothing was printed
-    if out and not out.endswith("\n"):
-        out += "\n"
-    if status == "ok":  # stderr of a run that succeeded holds warnings: show them too
-        text = (out + result.stderr) or "(no output; print() what you want to see)"
-    elif status == "error":
-        text = out + result.stderr
+    status = result.status
+    if status == "overloaded":
+        return OVERLOADED
+    stdout = result.stdout + (result.value + "\n" if result.value else "")
+    if status == "ok":
+        head = ["Tool call success"]
     elif status == "timeout":
-        text = out + f"TimeoutError: the code did not finish within {result.duration:.1f} s and was stopped"
-    elif status == "memory":
-        text = out + "MemoryError: the code went over the memory limit and was stopped"
-    elif status == "crash":
-        text = out + (result.stderr or "Error: the Python process crashed")
-    elif status == "overloaded":
-        text = "The code sandbox is overloaded and did not run this code; try again."
+        head, stdout = ["Tool call failure", "reason: worker_timeout"], stdout + "Suicide from timeout.\n"
+    elif status in ("error", "memory", "crash"):
+        head, stdout = ["Tool call failure", "reason: "], ""
     else:
         raise ValueError(f"unknown sandbox result status {status!r}")
-    return truncate(text.rstrip("\n"), max_chars)
+    stdout, stderr = stdout[:OUTPUT_CAP], _without_notes(result.stderr)[:OUTPUT_CAP]
+    parts = head + ([f"stdout: {stdout}"] if stdout else []) + ([f"stderr: {stderr}"] if stderr else [])
+    seconds = round(result.duration) if status == "timeout" else 0.01  # not measured: see the module docstring
+    return truncate("\n".join(parts + [f"execution time: {seconds:.2f}s"]), max_chars)
 
 
 def tool_suffix_text(responses):
     """What follows an assistant turn that ended with <|im_end|>: one user turn with all responses, then
-    the forced start of the next assistant turn (exactly what the reference template renders)."""
+    the forced start of the next assistant turn. No "\n" after the model's <|im_end|>: the release
+    appends the tool messages rendered alone, minus the rendered default system turn."""
     body = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in responses)
-    return f"\n<|im_start|>user{body}{END}\n{GENERATION_PROMPT}"
+    return f"<|im_start|>user{body}{END}\n{GENERATION_PROMPT}"
 
 
 def tool_suffix_ids(tokenizer, responses):

@@ -171,7 +171,7 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
     texts = [agent.tool_response_text(r) for r in results]
     if bad and results[0].status != "error":
         raise RuntimeError(f"buggy code {bad!r} did not fail: {results[0].status} {texts[0]!r}")
-    if results[-1].status != "ok" or texts[-1] != problem["answer"]:
+    if results[-1].status != "ok" or results[-1].stdout.strip() != problem["answer"]:
         raise RuntimeError(f"code {good!r} gave {results[-1].status} {texts[-1]!r}, expected {problem['answer']!r}")
     messages = [{"role": "user", "content": problem["question"]}]
     if bad:
@@ -180,7 +180,7 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
     else:
         messages += [_call("I will compute this with Python.", good)]
     messages += [{"role": "tool", "content": texts[-1]},
-                 {"role": "assistant", "content": f"<reason>The tool gave the result.</reason>\n<answer>\\boxed{{{texts[-1]}}}</answer>"}]
+                 {"role": "assistant", "content": f"<reason>The tool gave the result.</reason>\n<answer>\\boxed{{{problem['answer']}}}</answer>"}]
     return messages
 
 

@@ -278,7 +278,7 @@ if __name__ == "__main__":
     max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently)
     max_turns = 30
     max_calls_per_turn = 1
-    tool_max_chars = 1024  # per tool response, head and tail kept
+    tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
     scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
     tool_workers = 0  # sandbox workers per rank; 0 = number of cores

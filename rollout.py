@@ -103,7 +103,7 @@ class ToolRunner:
 
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
-                 seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=1024,
+                 seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
                  prefill_tokens=16384, log_events=False):
         self.model, self.tok, self.tools = model, tokenizer, tools
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed

@@ -77,7 +77,7 @@ scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, 
 tool_workers = 0  # sandbox workers per rank; 0 = number of cores
 tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
 tool_memory = 1 << 30  # bytes per call
-tool_max_chars = 1024  # per tool response, head and tail kept
+tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
 max_calls_per_turn = 1
 # optimisation
 lr = 1e-6

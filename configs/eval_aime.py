@@ -13,7 +13,7 @@ max_response_tokens = 30720  # the released eval scripts' max_response_length
 max_prompt_tokens = 2048
 max_turns = 30
 max_calls_per_turn = 1
-tool_max_chars = 1024
+tool_max_chars = 256         # the release trains and evaluates with verl's default max_tool_response_length
 kv_capacity = 0              # 0 = 90% of the free GPU memory after the weights
 tool_workers = 64            # sandbox workers per rank
 tool_timeout = 4.0           # the released code-judge README's MAX_EXECUTION_TIME (the paper gives none)

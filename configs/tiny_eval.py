@@ -9,7 +9,7 @@ temperature = 1.0            # the RL sampling temperature: what the policy was 
 max_response_tokens = 192
 max_prompt_tokens = 128
 max_turns = 4
-tool_max_chars = 1024
+tool_max_chars = 256
 kv_capacity = 0              # 0 = up to 256 rows on CPU
 tool_workers = 2
 tool_timeout = 4.0

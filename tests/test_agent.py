@@ -56,7 +56,22 @@ def test_prompt_matches_reference(tok, question):
     assert agent.prompt_text(question, system="Be brief.") == reference(tok, sys_messages)
 
 
-def test_tool_suffix_matches_reference(tok):
+def release_tool_turn(tok, texts):
+    """The release's tool turn (rstar2_agent_loop.py): the tool messages rendered alone with the template and
+    a generation prompt, minus the ids of the rendered empty conversation (its default system turn)."""
+    system = tok.apply_chat_template([{}], chat_template=TEMPLATE, add_generation_prompt=False, tokenize=True,
+                                     return_dict=False)
+    turn = tok.apply_chat_template([{"role": "tool", "content": t} for t in texts], chat_template=TEMPLATE,
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert turn[:len(system)] == system
+    return turn[len(system):]
+
+
+def test_tool_suffix_matches_release(tok):
+    for texts in (["5"], ["5", "Tool call success\nstdout: 7\n\nexecution time: 0.01s"]):
+        assert agent.tool_suffix_ids(tok, texts) == release_tool_turn(tok, texts)
+    # no "\n" after the model's <|im_end|>: the release's token stream differs from the template's
+    # rendering of the whole conversation exactly there
     q, turn = "What is 2 + 3?", "<reason>use python</reason>"
     calls = [call("print(2 + 3)"), call("x = input()\nprint(x)", input="7")]
     messages = [{"role": "user", "content": q},
@@ -66,11 +81,11 @@ def test_tool_suffix_matches_reference(tok):
                  '{"code": "print(2 + 3)", "input": ""}}\n</tool_call>\n<tool_call>\n{"name": '
                  '"execute_python_code_with_standard_io", "arguments": {"code": "x = input()\\nprint(x)", "input": "7"}}'
                  '\n</tool_call>')
-    want = reference(tok, messages)
-    assert agent.prompt_text(q) + turn_text + "<|im_end|>" + agent.tool_suffix_text(["5", "7"]) == want
+    ours = agent.prompt_text(q) + turn_text + "<|im_end|>" + agent.tool_suffix_text(["5", "7"])
+    assert ours.replace("<|im_end|><|im_start|>user", "<|im_end|>\n<|im_start|>user") == reference(tok, messages)
     suffix = agent.tool_suffix_ids(tok, ["5", "7"])
     assert tok.decode(suffix) == agent.tool_suffix_text(["5", "7"])
-    assert suffix[-1] == tok.convert_tokens_to_ids("<reason>")
+    assert suffix[0] == tok.convert_tokens_to_ids("<|im_start|>") and suffix[-1] == tok.convert_tokens_to_ids("<reason>")
     # the calls the template rendered parse back to the same code and stdin
     parsed = agent.parse_tool_calls(turn_text, max_calls=2)
     assert parsed == [agent.ToolCall("print(2 + 3)", ""), agent.ToolCall("x = input()\nprint(x)", "7")]
@@ -97,7 +112,10 @@ def test_render_conversation_ids_and_mask(tok):
     # (the template tojson-s a string of arguments a second time, so hand it the parsed object)
     fixed = dict(messages[3], tool_calls=[{"type": "function", "function": {"name": agent.TOOL_NAME, "arguments": {"code": "print(2 + 3)"}}}])
     want = reference(tok, messages[:3] + [fixed, messages[4]]) + final[len("<reason>"):] + "<|im_end|>"
-    assert tok.decode(ids) == want
+    # ... but for the "\n" the template puts after each <|im_end|> that a tool turn follows (the release has none)
+    text = tok.decode(ids)
+    assert text.count("<|im_end|><|im_start|>user\n<tool_response>") == 2
+    assert text.replace("<|im_end|><|im_start|>user", "<|im_end|>\n<|im_start|>user") == want
     # the prompt comes first, all mask 0
     prompt = agent.render_prompt(tok, "What is 2 + 3?")
     assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
@@ -141,76 +159,196 @@ def test_render_conversation_errors(tok, messages, where):
         agent.render_conversation(tok, messages)
 
 # -----------------------------------------------------------------------------
-# tool calls and tool responses
+# tool calls and tool responses, as the release parses and answers them
+
+
+def block(obj):
+    return "<tool_call>\n" + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n</tool_call>"
+
+
+OK_CALL = {"name": agent.TOOL_NAME, "arguments": {"code": "print(1)", "input": "x"}}
+RETRIES = "Error when executing tool: run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
 
 
 def test_parse_tool_calls():
-    def block(obj):
-        return "<tool_call>\n" + (obj if isinstance(obj, str) else json.dumps(obj)) + "\n</tool_call>"
-    ok = {"name": agent.TOOL_NAME, "arguments": {"code": "print(1)", "input": "x"}}
-    assert agent.parse_tool_calls("<reason>a</reason>" + block(ok)) == [agent.ToolCall("print(1)", "x")]
+    assert agent.parse_tool_calls("<reason>a</reason>\n" + block(OK_CALL) + "<|im_end|>") == [agent.ToolCall("print(1)", "x")]
     assert agent.parse_tool_calls("no call here") == []
-    # input is optional, arguments may arrive as a JSON string
-    assert agent.parse_tool_calls(block({"name": agent.TOOL_NAME, "arguments": {"code": "1"}})) == [agent.ToolCall("1", "")]
-    assert agent.parse_tool_calls(block({"name": agent.TOOL_NAME, "arguments": json.dumps({"code": "2"})})) == [agent.ToolCall("2", "")]
-    errors = {
-        "{not json": "Failed to decode tool call",
-        json.dumps([1, 2]): '"name" and "arguments"',
-        json.dumps({"name": "bash", "arguments": {"code": "ls"}}): "Unknown tool 'bash'",
-        json.dumps({"name": agent.TOOL_NAME, "arguments": {"input": ""}}): '"code" as a string (it is missing)',
-        json.dumps({"name": agent.TOOL_NAME, "arguments": {"code": 5}}): '"code" as a string',
-        json.dumps({"name": agent.TOOL_NAME, "arguments": {"code": "1", "input": 3}}): '"input" must be a string',
-        json.dumps({"name": agent.TOOL_NAME, "arguments": "{bad"}): "Failed to decode tool call arguments",
-        json.dumps({"name": agent.TOOL_NAME, "arguments": [1]}): "must be a JSON object",
+    # the release runs what it can: missing "code" runs empty code, missing or null "input" is no stdin
+    def args(a):
+        return block({"name": agent.TOOL_NAME, "arguments": a})
+    assert agent.parse_tool_calls(args({"code": "1"})) == [agent.ToolCall("1", "")]
+    assert agent.parse_tool_calls(args({"code": "1", "input": None})) == [agent.ToolCall("1", "")]
+    assert agent.parse_tool_calls(args({"input": "5"})) == [agent.ToolCall("", "5")]
+    # what the release answers instead (tool_parser.py, rstar2_agent_loop.py _call_tool, code_judge_tool.py):
+    # the text of the exception its code raises
+    answers = {
+        block("{not json"): "Failed to decode tool call: Expecting property name enclosed in double quotes: "
+                            "line 2 column 2 (char 2)",  # the block is not stripped: line 2
+        block(""): "Failed to decode tool call: Expecting value: line 3 column 1 (char 2)",
+        block([1, 2]): "Failed to decode tool call: list indices must be integers or slices, not str",
+        block({"name": agent.TOOL_NAME}): "Failed to decode tool call: 'arguments'",
+        block({"arguments": {"code": "1"}}): "Failed to decode tool call: 'name'",
+        block({"name": "bash", "arguments": {"code": "ls"}}): "Error when executing tool: 'bash'",
+        block({"name": "python_code_with_standard_io", "arguments": {"code": "1"}}):
+            "Error when executing tool: 'python_code_with_standard_io'",
+        args(json.dumps({"code": "2", "input": ""})): "Error when executing tool: 'str' object has no attribute 'get'",
+        args([1]): "Error when executing tool: 'list' object has no attribute 'get'",
+        args({"code": 5}): "Error when executing tool: 'int' object has no attribute 'encode'",
+        args({"code": None}): "Error when executing tool: 'NoneType' object has no attribute 'encode'",
+        args({"code": "1", "input": 3}): RETRIES,  # code-judge refuses the request (422) until the client gives up
     }
-    for text, msg in errors.items():
-        (out,) = agent.parse_tool_calls(block(text))
-        assert isinstance(out, str) and msg in out, (text, out)
-    # every block gets one answer: calls beyond max_calls are answered "skipped", never dropped
-    three = block(ok) + "\n" + block("{bad") + block(ok)
-    out = agent.parse_tool_calls(three, max_calls=1)
-    assert out[0] == agent.ToolCall("print(1)", "x") and all("skipped" in o for o in out[1:]) and len(out) == 3
-    out = agent.parse_tool_calls(three, max_calls=2)
-    assert out[0] == agent.ToolCall("print(1)", "x") and "Failed to decode" in out[1] and "skipped" in out[2]
-    # a call that was never closed is answered as well
-    out = agent.parse_tool_calls(block(ok) + '<tool_call>\n{"name": ', max_calls=2)
-    assert len(out) == 2 and "not closed" in out[1]
+    for text, want in answers.items():
+        assert agent.parse_tool_calls(text) == [want], text
+    (out,) = agent.parse_tool_calls(block({"name": 3, "arguments": {}}))
+    assert out.startswith("Failed to decode tool call: ")
     with pytest.raises(ValueError, match="max_calls"):
         agent.parse_tool_calls("", max_calls=0)
+
+
+def test_surplus_and_unclosed_calls():
+    # only the first max_calls blocks count (verl's max_parallel_calls = 1): the rest get no answer at all
+    three = block(OK_CALL) + "\n" + block("{bad") + block(OK_CALL)
+    assert agent.parse_tool_calls(three, max_calls=1) == [agent.ToolCall("print(1)", "x")]
+    out = agent.parse_tool_calls(three, max_calls=2)
+    assert out[0] == agent.ToolCall("print(1)", "x") and out[1].startswith("Failed to decode") and len(out) == 2
+    assert len(agent.parse_tool_calls(three, max_calls=5)) == 3
+    # an unclosed <tool_call> is not a call: after a closed one it is ignored, alone the turn has no calls
+    # (so the trajectory ends there)
+    assert agent.parse_tool_calls(block(OK_CALL) + '<tool_call>\n{"name": ', max_calls=2) == [agent.ToolCall("print(1)", "x")]
+    assert agent.parse_tool_calls('<reason>a</reason>\n<tool_call>\n{"name": "x", "arguments": {}}<|im_end|>') == []
+    assert agent.parse_tool_calls("</tool_call> then <tool_call>") == []
+
+
+def test_surplus_calls_get_no_record():
+    # the engine with a scripted policy: one turn with 3 calls, max_calls_per_turn=1 -> one call executed,
+    # one record, one <tool_response>
+    from rollout import Engine, Request, iter_claim
+    from test_rollout import Script, SlowTools  # its scripted policy and tools
+    tok = data.train_tokenizer([agent.prompt_text("What is 8 * 8?") + block(OK_CALL) + "<|im_end|>"])
+    prompt = agent.render_prompt(tok, "What is 8 * 8?")
+    calls = "".join(block({"name": agent.TOOL_NAME, "arguments": {"code": f"print({v})", "input": ""}}) for v in (64, 65, 66))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    script = (tok.encode("</reason>\n" + calls, add_special_tokens=False) + [end]
+              + tok.encode("</reason>\n<answer>\\boxed{64}</answer>", add_special_tokens=False) + [end])
+    tools = SlowTools({})
+    engine = Engine(Script({tuple(prompt): script}, len(tok)), tok, kv_capacity=400, max_len=400, temperature=0.0,
+                    tools=tools, max_calls_per_turn=1)
+    (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 300)
+    assert tools.calls == ["print(64)"]
+    assert [c["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0]["status"] == "ok"
+    assert tok.decode(t.response_ids).count("<tool_response>") == 1 and t.finish == "stop"
 
 
 def test_truncate():
     assert agent.truncate("short", 10) == "short"
     text = "".join(chr(ord("a") + i % 26) for i in range(100))
-    out = agent.truncate(text, 20)
-    assert out == text[:10] + "\n...(truncated 80 chars)...\n" + text[-10:]
-    assert agent.truncate("abcde", 3) == "a\n...(truncated 2 chars)...\nde"
+    assert agent.truncate(text, 20) == text[:10] + "...(truncated)..." + text[-10:]
+    assert agent.truncate("abcdefgh", 5) == "ab...(truncated)...gh"  # odd: max_chars // 2 each side
+    assert agent.truncate(text, 100) == text
     with pytest.raises(ValueError, match="max_chars"):
-        agent.truncate("abc", 0)
+        agent.truncate("abc", 1)
 
 
 def result(status, stdout="", stderr="", value="", duration=0.1):
     return SimpleNamespace(status=status, stdout=stdout, stderr=stderr, value=value, duration=duration)
 
 
+def release_text(run_success, reason, stdout, stderr, cost, max_chars=256):
+    # the release's tool response, written from its documented format: code-judge's fields (stdout and
+    # stderr cut to 1000 chars by the service) in the client's words, then verl's middle cut at
+    # max_tool_response_length characters
+    stdout, stderr = (stdout or "")[:1000], (stderr or "")[:1000]
+    lines = ["Tool call success"] if run_success else ["Tool call failure", "reason: " + reason]
+    lines += ["stdout: " + stdout] * bool(stdout) + ["stderr: " + stderr] * bool(stderr)
+    text = "\n".join(lines + ["execution time: %.2fs" % cost])
+    if len(text) > max_chars:
+        text = text[:max_chars // 2] + "...(truncated)..." + text[len(text) - max_chars // 2:]
+    return text
+
+
+TB = "Traceback (most recent call last):\n  File \"<code>\", line 2, in <module>\nNameError: name 'prnt' is not defined\n"
+LONG = "".join(f"{i}\n" for i in range(2000))
+# a sandbox result of each kind, and the fields code-judge reports for the same run (MAX_EXECUTION_TIME=4):
+# (run_success, reason, stdout, stderr, cost). The cost is not measured on our side (see agent's docstring):
+# 0.01 s, a timeout its limit
+KINDS = {
+    "success": (result("ok", stdout="42\n", duration=0.012), (True, "", "42\n", "", 0.01)),
+    "stdout and stderr": (result("ok", stdout="1\n", stderr="<code>:2: UserWarning: w\n  warn('w')\n"),
+                          (True, "", "1\n", "<code>:2: UserWarning: w\n  warn('w')\n", 0.01)),
+    "trailing expression": (result("ok", value="(17, 110)", duration=0.004), (True, "", "(17, 110)\n", "", 0.01)),
+    "empty output": (result("ok", duration=0.0), (True, "", "", "", 0.01)),
+    # the harness exits with os._exit(1): what print() left in the pipe's buffer is lost
+    "exception": (result("error", stdout="partial\n", stderr=TB, duration=0.05), (False, "", "", TB, 0.01)),
+    "exit status": (result("error", duration=0.05), (False, "", "", "", 0.01)),
+    "timeout": (result("timeout", stdout="before\n", stderr="[sandbox] timeout: killed after 4 s", duration=4.003),
+                (False, "worker_timeout", "before\nSuicide from timeout.\n", "", 4.0)),
+    "memory": (result("memory", stderr="Traceback (most recent call last):\nMemoryError\n"),
+               (False, "", "", "Traceback (most recent call last):\nMemoryError\n", 0.01)),
+    "crash": (result("crash", stdout="lost", stderr="[sandbox] killed by signal SIGSEGV", duration=0.02),
+              (False, "", "", "", 0.01)),
+    "long output": (result("ok", stdout=LONG, stderr="warn\n[sandbox] stdout truncated: 9 more bytes dropped (cap 9)"),
+                    (True, "", LONG, "warn\n", 0.01)),
+    "long error": (result("error", stderr="E" * 3000 + "\n"), (False, "", "", "E" * 3000 + "\n", 0.01)),
+}
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A second byte-level BPE, pre-tokenized like Qwen2's (digits one by one, newlines runs kept apart),
+    trained on tool turns: a tokenizer whose merges differ from the tiny one's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    qwen2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+")
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(qwen2), "isolated"),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    t.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    texts = [release_text(*f) for _, f in KINDS.values()] + [TEMPLATE, agent.prompt_text("What is 1 + 1?")] * 3
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=800, special_tokens=special,
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_tool_turn_token_identical_to_release(tok, bpe, kind):
+    res, fields = KINDS[kind]
+    want = release_text(*fields)
+    assert agent.tool_response_text(res, max_chars=256) == want
+    for t in (tok, bpe):
+        assert agent.tool_suffix_ids(t, [agent.tool_response_text(res, 256)]) == release_tool_turn(t, [want])
+    # and with verl's default of 256 left implicit
+    assert agent.tool_response_text(res) == want
+
+
 def test_tool_response_text():
-    assert agent.tool_response_text(result("ok", stdout="42\n")) == "42"
-    assert agent.tool_response_text(result("ok", value="(17, 110)")) == "(17, 110)"  # trailing expression
-    assert agent.tool_response_text(result("ok", stdout="1\n", value="")) == "1"
-    assert agent.tool_response_text(result("ok", value="3", stderr="Warning: x\n")) == "3\nWarning: x"
-    assert "print()" in agent.tool_response_text(result("ok"))
-    tb = "Traceback (most recent call last):\n  File \"<code>\", line 1\nNameError: name 'prnt' is not defined\n"
-    assert agent.tool_response_text(result("error", stdout="partial", stderr=tb)) == "partial\n" + tb.rstrip("\n")
-    t = agent.tool_response_text(result("timeout", duration=10.0))
-    assert "10.0 s" in t and "Timeout" in t
-    assert "memory" in agent.tool_response_text(result("memory"))
-    assert "crashed" in agent.tool_response_text(result("crash"))
-    assert "Segmentation fault" in agent.tool_response_text(result("crash", stderr="Segmentation fault"))
-    assert "overloaded" in agent.tool_response_text(result("overloaded"))
+    assert agent.tool_response_text(result("ok", stdout="42\n")) == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
+    # the same run gives the same text, however long it took (else no exact resume)
+    assert agent.tool_response_text(result("ok", duration=0.003)) == agent.tool_response_text(result("ok", duration=2.7))
+    assert agent.tool_response_text(result("timeout", duration=2.004)).endswith("execution time: 2.00s")
+    # the harness prints a trailing expression's repr after whatever was printed, without a newline in between
+    assert agent.tool_response_text(result("ok", stdout="a", value="3")) == "Tool call success\nstdout: a3\n\nexecution time: 0.01s"
+    # only trailing "[sandbox] " lines are ours; a program's own output that looks like one is kept
+    assert agent.tool_response_text(result("ok", stderr="[sandbox] x\nmine\n")).count("[sandbox] x") == 1
+    assert agent.tool_response_text(result("overloaded", stderr="[sandbox] not started")) == RETRIES
     long = agent.tool_response_text(result("ok", stdout="7" * 5000), max_chars=100)
-    assert long == "7" * 50 + "\n...(truncated 4900 chars)...\n" + "7" * 50
+    assert long == "Tool call success\nstdout: " + "7" * 24 + "...(truncated)..." + "7" * 28 + "\nexecution time: 0.01s"
     with pytest.raises(ValueError, match="unknown sandbox result status 'weird'"):
         agent.tool_response_text(result("weird"))
+
+
+def test_tool_response_text_of_real_runs():
+    # the sandbox's own results for each kind map as the table above says
+    with SandboxPool(workers=1, timeout=1.0) as pool:
+        ok, err, slow, empty = pool.map(["print(6 * 7)", "print('partial')\nprnt(1)", "print('before', flush=True)\n"
+                                         "import time\ntime.sleep(5)", "x = 1"])
+    assert agent.tool_response_text(ok) == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
+    e = agent.tool_response_text(err)
+    assert e.startswith("Tool call failure\nreason: \nstderr: ") and "NameError" in e and "partial" not in e
+    assert agent.tool_response_text(slow) == (
+        "Tool call failure\nreason: worker_timeout\nstdout: before\nSuicide from timeout.\n\nexecution time: 1.00s")
+    assert agent.tool_response_text(empty) == "Tool call success\nexecution time: 0.01s"
 
 # -----------------------------------------------------------------------------
 # answers and reward

@@ -85,14 +85,14 @@ def test_sft_conversation():
     problem = {"question": "What is 12 * 34 - 5?", "answer": "403"}
     clean = data.sft_conversation(problem, random.Random(0), run_inprocess, error_rate=0.0)
     assert [m["role"] for m in clean] == ["user", "assistant", "tool", "assistant"]
-    assert clean[2]["content"] == "403"  # the real output of the code
+    assert clean[2]["content"] == "Tool call success\nstdout: 403\n\nexecution time: 0.01s"  # the real output of the code
     assert clean[1]["tool_calls"][0]["function"]["arguments"] == {"code": "print(12 * 34 - 5)", "input": ""}
     assert agent.reward(clean[-1]["content"], "403") == 1.0
     for seed in range(6):
         buggy = data.sft_conversation(problem, random.Random(seed), run_inprocess, error_rate=1.0)
         assert [m["role"] for m in buggy] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
-        assert buggy[2]["content"].startswith("Traceback") and "Error" in buggy[2]["content"]
-        assert buggy[4]["content"] == "403"
+        assert buggy[2]["content"].startswith("Tool call failure\nreason: \nstderr: Traceback") and "Error" in buggy[2]["content"]
+        assert buggy[4]["content"] == clean[2]["content"]
         # the bug is a real one: the sandbox runs the first call and it fails
         (first,) = agent.parse_tool_calls(text_of(buggy).split("<|im_start|>assistant")[1])
         assert run_inprocess([(first.code, "")])[0].status == "error"
@@ -149,7 +149,7 @@ def test_prepared_dir_loads(prepared):
         ours = loaded.apply_chat_template(msgs, tools=[schema], add_generation_prompt=True, tokenize=False)
         assert ours == loaded.apply_chat_template(msgs, tools=[schema], chat_template=ref_template, add_generation_prompt=True, tokenize=False)
     full = loaded.apply_chat_template(buggy, tools=[schema], tokenize=False)
-    assert full == text_of(buggy) + "\n"
+    assert full == text_of(buggy).replace("<|im_end|><|im_start|>user", "<|im_end|>\n<|im_start|>user") + "\n"
     # the model: a random-init tiny Qwen3 with tied embeddings that transformers loads back
     m = AutoModelForCausalLM.from_pretrained(str(base))
     n = sum(p.numel() for p in m.parameters())
