@@ -1,20 +1,25 @@
 """
-Tests for sandbox.py: hostile code (each test one property, followed by an honest call that must still
-work, and a check that no process or file was left behind), supervision (dead, wedged and overloaded
-workers), the async front from a background thread, each isolation mode, and a 10k-call soak.
+Tests for sandbox.py and sandbox_worker.py: hostile code (each test one property, followed by an honest
+call that must still work, and a check that no process or file was left behind), what a call can see
+(secrets planted in the checkout, the run's data directory, $HOME and the host's /tmp), supervision
+(dead, wedged and overloaded workers), the async front from a background thread, the synchronous
+submit(), each isolation mode, and a 10k-call soak.
 """
 
 import asyncio
 import collections
+import concurrent.futures
 import os
 import random
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 import sandbox
+import sandbox_worker
 from sandbox import Result, SandboxPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +53,7 @@ def worker_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            return b"--worker" in cmd and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
+            return b"sandbox_worker.py" in cmd and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
         except OSError:
             return False
 
@@ -139,7 +144,7 @@ def test_call_swaps_its_dir_for_a_symlink(pool, tmp_path):
     target = tmp_path / "target"
     target.mkdir(mode=0o500)
     (tmp_path / "link").symlink_to(target)
-    sandbox._rmtree(str(tmp_path / "link"))
+    sandbox_worker._rmtree(str(tmp_path / "link"))
     assert not (tmp_path / "link").exists() and target.is_dir() and target.stat().st_mode & 0o777 == 0o500
 
 
@@ -218,6 +223,148 @@ def test_results_values_and_imports(pool):
     assert all(isinstance(r, Result) and r.status in sandbox.STATUSES and r.duration > 0 for r in rs)
 
 
+# ------------------------------------------------------------------------------------------------
+# what a call can see: only the view (sandbox_worker.view), in every isolation mode
+
+PLANTED = "planted-" + "9f3c1e7a5b" * 2  # the text of every planted secret: it must never come back
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """Secret files where a run keeps what a call must not read: the run's data directory (out/data in
+    the checkout, like the RL answer key), the checkout itself, $HOME, and the host's /tmp."""
+    tag = f"sandbox-secret-{os.getpid()}"
+    paths = [os.path.join(REPO, "out", "data", tag + ".jsonl"), os.path.join(REPO, tag),
+             os.path.join(os.path.expanduser("~"), "." + tag), str(tmp_path / "out" / "data" / "train.jsonl")]
+    made = [d for d in (os.path.join(REPO, "out"), os.path.join(REPO, "out", "data")) if not os.path.isdir(d)]
+    for p in paths:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write(f'{{"question": "1 + 1", "answer": "{PLANTED}"}}\n')
+    yield paths
+    for p in paths:
+        os.unlink(p)
+    for d in reversed(made):
+        os.rmdir(d)
+
+
+PROBE = """
+import os
+leaks = []
+def tries(what, f, *args):
+    try:
+        out = f(*args)
+    except OSError:
+        return
+    leaks.append(f"{what} {args[0]}: {str(out)[:80]}")
+for p in PATHS:
+    for q in (p, "/proc/1/root" + p, "/proc/self/root" + p, "/proc/self/cwd/../../.." + p):
+        tries("open", lambda q: open(q).read(), q)
+        tries("stat", os.stat, q)
+        try:
+            names = os.listdir(os.path.dirname(q))
+        except OSError:
+            names = []
+        if os.path.basename(q) in names:
+            leaks.append(f"listed {q}")
+    link = f"link-{len(leaks)}-{abs(hash(p))}"
+    os.symlink(p, link)
+    tries("open via a symlink", lambda q: open(q).read(), link)
+names = {os.path.basename(p) for p in PATHS}
+todo = [d.path for d in os.scandir("/") if d.is_dir(follow_symlinks=False) and d.name != "proc"]
+walked = 0
+while todo:
+    try:
+        entries = list(os.scandir(todo.pop()))
+    except OSError:
+        continue
+    for e in entries:
+        walked += 1
+        if e.name in names:
+            leaks.append(f"walked to {e.path}")
+        if e.is_dir(follow_symlinks=False):
+            todo.append(e.path)
+print(sorted(os.listdir("/")))
+print(walked > 1000, leaks)
+"""
+
+
+def expected_root(view):
+    return sorted({op[-1].split("/")[1] for op in view} | {"proc", "tmp"})
+
+
+def check_sees_only_the_view(pool, planted):
+    r = pool.map([f"PATHS = {planted!r}\n" + PROBE], timeout=30)[0]
+    assert r.status == "ok", r
+    assert PLANTED not in r.stdout + r.stderr, r
+    listing, verdict = r.stdout.splitlines()
+    assert verdict == "True []", r.stdout  # walked the whole tree, found and opened nothing
+    assert eval(listing) == expected_root(sandbox_worker.view()), listing
+    # and the view itself holds nothing of the host beyond the interpreter's own paths: system
+    # directories, the interpreter's prefix and venv, and the checkout's top (for sandbox_worker.py alone)
+    tops = {"usr", "lib", "lib64", "bin", "etc", "dev", "proc", "tmp"}
+    tops |= {os.path.realpath(p).split("/")[1] for p in (sys.prefix, sys.base_prefix, REPO)}
+    assert set(eval(listing)) <= tops, listing
+    inside_repo = [op for op in sandbox_worker.view() if op[-1].startswith(os.path.realpath(REPO) + "/")]
+    assert [op[-1] for op in inside_repo if not op[-1].startswith(os.path.realpath(sys.prefix))] == \
+        [os.path.join(os.path.realpath(REPO), "sandbox_worker.py")]
+
+
+def test_call_sees_only_the_view(pool, planted):
+    before = descendants()
+    for p in planted:  # the planted files are there for the host to read
+        assert PLANTED in open(p).read()
+    check_sees_only_the_view(pool, planted)
+    check_host_and_pool(pool, before)
+
+
+def test_scientific_stack_computes(pool):
+    code = ("import numpy as np, scipy, scipy.optimize, scipy.integrate, scipy.special, sympy as sp, mpmath, sys\n"
+            "mpmath.mp.dps = 30\n"
+            "print(round(scipy.optimize.brentq(lambda x: x**3 - 2, 0, 2), 9), round(scipy.integrate.quad(np.sin, 0, "
+            "np.pi)[0], 9), scipy.special.comb(10, 3, exact=True), int(np.linalg.det(np.array([[2, 1], [1, 3]])).round()),"
+            " sp.factor(sp.Symbol('x')**2 - 4), mpmath.sqrt(2))")
+    r = pool.map([code, "import sys\nprint('scipy' in sys.modules)", "import sys, mpmath\nprint('scipy' in sys.modules)"],
+                 timeout=30)
+    assert [x.status for x in r] == ["ok"] * 3, r
+    assert r[0].stdout.split() == [str(round(2 ** (1 / 3), 9)), "2.0", "120", "5", "(x", "-", "2)*(x", "+", "2)",
+                                   "1.41421356237309504880168872421"], r[0]
+    # the standard library alone runs in the lean worker; a third-party import in the rich one, where
+    # scipy's top level is preloaded
+    assert (r[1].stdout, r[2].stdout) == ("False\n", "True\n"), r
+
+
+def test_view_refuses_what_it_cannot_find(monkeypatch):
+    with pytest.raises(RuntimeError, match="refusing to start.*no-such-dist-b6f1"):
+        sandbox_worker.view(("numpy", "no-such-dist-b6f1"))
+    procs = descendants()
+    monkeypatch.setattr(sandbox_worker, "RICH_DISTS", ("sympy", "no-such-dist-b6f1"))
+    with pytest.raises(RuntimeError, match="refusing to start.*the no-such-dist-b6f1 package"):
+        SandboxPool(workers=1).start()
+    monkeypatch.setattr(sandbox_worker, "DEVICES", ("/dev/null", "/dev/no-such-device-b6f1"))
+    sandbox_worker.view.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="refusing to start.*/dev/no-such-device-b6f1"):
+            sandbox_worker.view()
+    finally:
+        sandbox_worker.view.cache_clear()
+    assert descendants() == procs
+
+
+def test_view_keeps_symlinks_the_loader_follows(tmp_path):
+    # a library reached through a directory link and a soname link: both links are recreated, and only
+    # the real file is bound
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "libx.so.1.2").write_bytes(b"")
+    (tmp_path / "real" / "libx.so.1").symlink_to("libx.so.1.2")
+    (tmp_path / "lib").symlink_to(tmp_path / "real")
+    links = {}
+    assert sandbox_worker._resolve(str(tmp_path / "lib" / "libx.so.1"), links) == str(tmp_path / "real" / "libx.so.1.2")
+    assert links == {str(tmp_path / "lib"): str(tmp_path / "real"), str(tmp_path / "real" / "libx.so.1"): "libx.so.1.2"}
+    assert "libc.so.6" in sandbox_worker._elf_needed(os.path.realpath(sys.executable))
+    assert sandbox_worker._elf_needed(__file__) == ()
+
+
 def test_worker_killed_mid_call_is_replaced(pool):
     out = {}
     t = threading.Thread(target=lambda: out.update(r=pool.map(["import time\ntime.sleep(1.2)"])[0]))
@@ -286,10 +433,11 @@ def test_async_front_from_a_background_thread_and_overloaded():
     assert descendants() == before
 
 
-def test_unshare_fallback():
+def test_unshare_fallback(planted):
     before, procs = host_call_dirs(), descendants()
     with SandboxPool(workers=1, timeout=1.0, isolation="unshare") as pool:
         assert pool.mode == "unshare"
+        check_sees_only_the_view(pool, planted)  # the same view as bwrap's
         rs = pool.map(["import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
                        "open('/pwned.txt', 'w')", "import os\nprint(os.getpid(), os.getuid() != 0)",
                        "import wave\nprint('ok')", "while True: pass",
@@ -299,6 +447,29 @@ def test_unshare_fallback():
         assert rs[2].stdout.split()[1] == "True" if ROOT else True
         assert len(descendants() - procs) == 4  # unshare + worker, lean and rich: the setsid child is gone
     assert descendants() == procs and host_call_dirs() == before
+
+
+def test_submit_without_an_event_loop():
+    # the rollout engine's API: submit() from plain threads returns concurrent futures at once; the pool
+    # times out queued calls on its own loop thread (without it `fast` would wait for `slow`, then run)
+    before = descendants()
+    pool = SandboxPool(workers=1, timeout=3, queue_timeout=0.3).start()
+    try:
+        slow = pool.submit("import time\ntime.sleep(1.0)\nprint('slow')", "")
+        time.sleep(0.05)
+        fast, skipped = pool.submit("print('never runs')", ""), pool.submit("print('cancelled')", "")
+        assert isinstance(fast, concurrent.futures.Future) and skipped.cancel()
+        t = time.monotonic()
+        r = fast.result(timeout=5)
+        assert r.status == "overloaded" and time.monotonic() - t < 0.6 and "queue_timeout" in r.stderr, r
+        assert (slow.result().status, slow.result().stdout) == ("ok", "slow\n")
+        futs = [pool.submit(f"print(int(input()) ** 2)", f"{i}\n") for i in range(4)]
+        assert [f.result().stdout for f in futs] == ["0\n", "1\n", "4\n", "9\n"]
+    finally:
+        pool.close()
+    assert descendants() == before
+    with pytest.raises(RuntimeError, match="not running"):
+        pool.submit("print(1)", "")
 
 
 def test_isolation_none_still_limits_and_cleans_up():
@@ -328,12 +499,12 @@ def test_isolation_none_still_limits_and_cleans_up():
 
 def test_refuses_to_start_without_isolation(monkeypatch):
     procs = descendants()
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory: [f"/nonexistent/{mode}"])
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [f"/nonexistent/{mode}"])
     with pytest.raises(RuntimeError, match=r"refusing to start.*bwrap.*unshare.*isolation='none'"):
         SandboxPool(workers=1).start()
     # a wrapper that silently isolates nothing is caught by the worker's own checks
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory: [])
-    with pytest.raises(RuntimeError, match="not isolated.*pid namespace.*writable"):
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [])
+    with pytest.raises(RuntimeError, match="not isolated.*root holds more than the view.*pid namespace.*writable"):
         SandboxPool(workers=1, isolation="bwrap").start()
     assert descendants() == procs
 
@@ -425,8 +596,8 @@ def test_soak_10k_calls():
            if r.status != c[2] or (c[3] is not None and (r.stdout, r.value) != (c[3], c[4]))]
     assert not bad, f"{len(bad)} wrong answers, e.g. {bad[:3]}"
     assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap or unshare, worker): nothing else alive
-    # only its own dir (plus a checkout or venv under /tmp, bound back read-only)
-    bound = {p.split("/")[2] for p in sandbox._under_tmp()}
+    # only its own dir (plus the top of a venv or checkout under /tmp, whose needed pieces are bound)
+    bound = {op[-1].split("/")[2] for op in sandbox_worker.view() if op[-1].startswith("/tmp/")}
     assert all(r.status == "ok" and len(set(eval(r.stdout)) - bound) == 1 for r in listing), listing
     assert descendants() == before
     print(f"soak: 10,000 calls in {time.monotonic() - t:.1f} s")
