@@ -45,7 +45,7 @@ NOFILE = 256       # open files per call process
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
 
-# what every worker imports before it forks its first call; the rich one adds RICH (the module
+# what every worker imports before it forks its first call; the rich one adds RICH (sandbox.py's
 # docstring says why there are two)
 PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
            "bisect", "random", "statistics", "re", "string", "json")
@@ -200,8 +200,9 @@ def _warm(rich):
     for name in PRELOAD + (RICH if rich else ()):
         try:
             importlib.import_module(name)
-        except ImportError:
-            pass
+        except ImportError as e:  # e.g. a library the view lacks: the pool refuses to start, saying which
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # numpy's message ends with the cause
+            raise RuntimeError(f"cannot import {name} in the sandbox: {why}") from None
     if "sympy" in sys.modules:  # run the common paths once so lazy imports and caches fill here, not per call
         import sympy as sp
         x = sp.Symbol("x")

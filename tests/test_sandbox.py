@@ -351,6 +351,15 @@ def test_view_refuses_what_it_cannot_find(monkeypatch):
     assert descendants() == procs
 
 
+def test_refuses_when_the_view_breaks_an_import(monkeypatch):
+    # a view without numpy's bundled libraries: the rich worker cannot import numpy, and the pool says so
+    procs, real = descendants(), sandbox_worker.view()
+    monkeypatch.setattr(sandbox_worker, "view", lambda dists: tuple(op for op in real if "numpy.libs" not in op[-1]))
+    with pytest.raises(RuntimeError, match=r"failed to start.*cannot import numpy in the sandbox.*libscipy_openblas"):
+        SandboxPool(workers=1, isolation="bwrap").start()
+    assert descendants() == procs
+
+
 def test_view_keeps_symlinks_the_loader_follows(tmp_path):
     # a library reached through a directory link and a soname link: both links are recreated, and only
     # the real file is bound
