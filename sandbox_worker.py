@@ -14,7 +14,8 @@ fresh mount namespace) mounts the same list on an empty tmpfs and pivots into it
   - the distributions in RICH_DISTS (numpy, scipy, sympy, mpmath) and what they require: only the
     top-level files and directories their RECORD lists (numpy/, numpy.libs/, ...), not site-packages;
   - the shared libraries all of these link, as the loader resolves them (ldd), each file on its own;
-  - /etc/ld.so.cache and /etc/localtime; /dev/null, /dev/zero, /dev/urandom; this file, on its own;
+  - /etc/ld.so.cache and /etc/localtime; /dev/null, /dev/zero, /dev/urandom (and /dev/fd, /dev/stdin,
+    ... as links into /proc/self); this file, on its own;
   - from the mode: a fresh /proc of the worker's pid namespace and a private, size-capped /tmp.
 Every path keeps its host name (tracebacks read as usual); all is read-only except /tmp. Nothing else
 of the host is there: no home directories, no checkout, no run data, nothing of the host's /tmp.
@@ -435,6 +436,8 @@ def _rmtree(path):
 RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")  # the paper's tool environment, plus what they require
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
+DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+             "/dev/stderr": "/proc/self/fd/2"}  # into the call's own /proc, as on any Linux
 
 
 @functools.cache
@@ -495,7 +498,7 @@ def view(dists=RICH_DISTS):
     # the ops: a path inside a bound directory is already there (unless it is under a mask)
     under = lambda p, d: p.startswith(d + "/")  # noqa: E731
     covered = lambda p: any(under(p, d) for d in paths) and not any(under(p, m) for m in masks)  # noqa: E731
-    ops = [("symlink", t, p) for p, t in links.items() if not covered(p)]
+    ops = [("symlink", t, p) for p, t in {**links, **DEV_LINKS}.items() if not covered(p)]
     ops += [("dev" if p in DEVICES else "bind", p) for p in paths if not covered(p)] + [("mask", m) for m in masks]
     return tuple(sorted(ops, key=lambda op: (op[0] == "symlink", op[-1])))  # parents before children
 
