@@ -1,20 +1,25 @@
 """
-Tests for sandbox.py: hostile code (each test one property, followed by an honest call that must still
-work, and a check that no process or file was left behind), supervision (dead, wedged and overloaded
-workers), the async front from a background thread, each isolation mode, and a 10k-call soak.
+Tests for sandbox.py and sandbox_worker.py: hostile code (each test one property, followed by an honest
+call that must still work, and a check that no process or file was left behind), what a call can see
+(secrets planted in the checkout, the run's data directory, $HOME and the host's /tmp), supervision
+(dead, wedged and overloaded workers), the async front from a background thread, the synchronous
+submit(), each isolation mode, and a 10k-call soak.
 """
 
 import asyncio
 import collections
+import concurrent.futures
 import os
 import random
 import socket
+import sys
 import threading
 import time
 
 import pytest
 
 import sandbox
+import sandbox_worker
 from sandbox import Result, SandboxPool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +53,7 @@ def worker_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            return b"--worker" in cmd and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
+            return b"sandbox_worker.py" in cmd and os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python")
         except OSError:
             return False
 
@@ -71,7 +76,8 @@ def pool():
         yield p
     os.environ.pop("SANDBOX_TEST_SECRET")
     assert worker_pids() == set() and descendants() <= procs_before, "close() left processes behind"
-    assert host_call_dirs() == tmp_before, "close() left temp dirs behind"
+    # nothing new on the host's /tmp (other runs on this machine may come and go there: not ==)
+    assert not host_call_dirs() - tmp_before, "close() left temp dirs behind"
 
 
 def check_host_and_pool(pool, before):
@@ -139,7 +145,7 @@ def test_call_swaps_its_dir_for_a_symlink(pool, tmp_path):
     target = tmp_path / "target"
     target.mkdir(mode=0o500)
     (tmp_path / "link").symlink_to(target)
-    sandbox._rmtree(str(tmp_path / "link"))
+    sandbox_worker._rmtree(str(tmp_path / "link"))
     assert not (tmp_path / "link").exists() and target.is_dir() and target.stat().st_mode & 0o777 == 0o500
 
 
@@ -199,6 +205,7 @@ def test_results_values_and_imports(pool):
         "import numpy as np\nnp.arange(4).sum()",
         "import wave, colorsys\ncolorsys.rgb_to_hsv(1.0, 0.0, 0.0)",  # not preloaded: read from disk as the call uid
         ("import sys\nprint(sys.stdin.read()[::-1])", "abc"),
+        ("print(open('/dev/stdin').read())", "via /dev"),          # a link into the call's own /proc
         "import os, tempfile\nprint(os.getcwd() == tempfile.gettempdir() and os.listdir('.') == [])",
         "def f(:\n  pass",
         "print('é' * 3)",
@@ -209,13 +216,164 @@ def test_results_values_and_imports(pool):
     ])
     assert [(r.status, r.stdout, r.value) for r in rs] == [
         ("ok", "", "2"), ("ok", "hi\n", ""), ("ok", "", ""), ("ok", "", ""), ("ok", "", "(x - 1)*(x + 1)"),
-        ("ok", "", "np.int64(6)"), ("ok", "", "(0.0, 1.0, 1.0)"), ("ok", "cba\n", ""), ("ok", "True\n", ""),
+        ("ok", "", "np.int64(6)"), ("ok", "", "(0.0, 1.0, 1.0)"), ("ok", "cba\n", ""), ("ok", "via /dev\n", ""), ("ok", "True\n", ""),
         ("error", "", ""), ("ok", "ééé\n", ""), ("ok", "False\n", ""), ("ok", "True\n", ""), ("ok", "True\n", ""),
-        ("ok", " ".join([rs[8].stdout and rs[-1].stdout.split()[0]] * 3) + "\n", "")]
+        ("ok", " ".join([rs[9].stdout and rs[-1].stdout.split()[0]] * 3) + "\n", "")]
     # a syntax error shows only the user's code, never the sandbox's own frames
-    assert rs[9].stderr.startswith('  File "<code>", line 1') and rs[9].stderr.endswith("SyntaxError: invalid syntax\n")
-    assert "sandbox" not in rs[9].stderr and "Traceback" not in rs[9].stderr
+    assert rs[10].stderr.startswith('  File "<code>", line 1') and rs[10].stderr.endswith("SyntaxError: invalid syntax\n")
+    assert "sandbox" not in rs[10].stderr and "Traceback" not in rs[10].stderr
     assert all(isinstance(r, Result) and r.status in sandbox.STATUSES and r.duration > 0 for r in rs)
+
+
+# ------------------------------------------------------------------------------------------------
+# what a call can see: only the view (sandbox_worker.view), in every isolation mode
+
+PLANTED = "planted-" + "9f3c1e7a5b" * 2  # the text of every planted secret: it must never come back
+
+
+@pytest.fixture
+def planted(tmp_path):
+    """Secret files where a run keeps what a call must not read: the run's data directory (out/data in
+    the checkout, like the RL answer key), the checkout itself, $HOME, and the host's /tmp."""
+    tag = f"sandbox-secret-{os.getpid()}"
+    paths = [os.path.join(REPO, "out", "data", tag + ".jsonl"), os.path.join(REPO, tag),
+             os.path.join(os.path.expanduser("~"), "." + tag), str(tmp_path / "out" / "data" / "train.jsonl")]
+    made = [d for d in (os.path.join(REPO, "out"), os.path.join(REPO, "out", "data")) if not os.path.isdir(d)]
+    for p in paths:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write(f'{{"question": "1 + 1", "answer": "{PLANTED}"}}\n')
+    yield paths
+    for p in paths:
+        os.unlink(p)
+    for d in reversed(made):
+        os.rmdir(d)
+
+
+PROBE = """
+import os
+leaks = []
+def tries(what, f, *args):
+    try:
+        out = f(*args)
+    except OSError:
+        return
+    leaks.append(f"{what} {args[0]}: {str(out)[:80]}")
+for p in PATHS:
+    for q in (p, "/proc/1/root" + p, "/proc/self/root" + p, "/proc/self/cwd/../../.." + p):
+        tries("open", lambda q: open(q).read(), q)
+        tries("stat", os.stat, q)
+        try:
+            names = os.listdir(os.path.dirname(q))
+        except OSError:
+            names = []
+        if os.path.basename(q) in names:
+            leaks.append(f"listed {q}")
+    link = f"link-{len(leaks)}-{abs(hash(p))}"
+    os.symlink(p, link)
+    tries("open via a symlink", lambda q: open(q).read(), link)
+names = {os.path.basename(p) for p in PATHS}
+todo = [d.path for d in os.scandir("/") if d.is_dir(follow_symlinks=False) and d.name != "proc"]
+walked = 0
+while todo:
+    try:
+        entries = list(os.scandir(todo.pop()))
+    except OSError:
+        continue
+    for e in entries:
+        walked += 1
+        if e.name in names:
+            leaks.append(f"walked to {e.path}")
+        if e.is_dir(follow_symlinks=False):
+            todo.append(e.path)
+print(sorted(os.listdir("/")))
+print(walked > 1000, leaks)
+"""
+
+
+def expected_root(view):
+    return sorted({op[-1].split("/")[1] for op in view} | {"proc", "tmp"})
+
+
+def check_sees_only_the_view(pool, planted):
+    r = pool.map([f"PATHS = {planted!r}\n" + PROBE], timeout=30)[0]
+    assert r.status == "ok", r
+    assert PLANTED not in r.stdout + r.stderr, r
+    listing, verdict = r.stdout.splitlines()
+    assert verdict == "True []", r.stdout  # walked the whole tree, found and opened nothing
+    assert eval(listing) == expected_root(sandbox_worker.view()), listing
+    # and the view itself holds nothing of the host beyond the interpreter's own paths: system
+    # directories, the interpreter's prefix and venv, and the checkout's top (for sandbox_worker.py alone)
+    tops = {"usr", "lib", "lib64", "bin", "etc", "dev", "proc", "tmp"}
+    tops |= {os.path.realpath(p).split("/")[1] for p in (sys.prefix, sys.base_prefix, REPO)}
+    assert set(eval(listing)) <= tops, listing
+    inside_repo = [op for op in sandbox_worker.view() if op[-1].startswith(os.path.realpath(REPO) + "/")]
+    assert [op[-1] for op in inside_repo if not op[-1].startswith(os.path.realpath(sys.prefix))] == \
+        [os.path.join(os.path.realpath(REPO), "sandbox_worker.py")]
+
+
+def test_call_sees_only_the_view(pool, planted):
+    before = descendants()
+    for p in planted:  # the planted files are there for the host to read
+        assert PLANTED in open(p).read()
+    check_sees_only_the_view(pool, planted)
+    check_host_and_pool(pool, before)
+
+
+def test_scientific_stack_computes(pool):
+    code = ("import numpy as np, scipy, scipy.optimize, scipy.integrate, scipy.special, sympy as sp, mpmath, sys\n"
+            "mpmath.mp.dps = 30\n"
+            "print(round(scipy.optimize.brentq(lambda x: x**3 - 2, 0, 2), 9), round(scipy.integrate.quad(np.sin, 0, "
+            "np.pi)[0], 9), scipy.special.comb(10, 3, exact=True), int(np.linalg.det(np.array([[2, 1], [1, 3]])).round()),"
+            " sp.factor(sp.Symbol('x')**2 - 4), mpmath.sqrt(2))")
+    r = pool.map([code, "import sys\nprint('scipy' in sys.modules)", "import sys, mpmath\nprint('scipy' in sys.modules)"],
+                 timeout=30)
+    assert [x.status for x in r] == ["ok"] * 3, r
+    assert r[0].stdout.split() == [str(round(2 ** (1 / 3), 9)), "2.0", "120", "5", "(x", "-", "2)*(x", "+", "2)",
+                                   "1.41421356237309504880168872421"], r[0]
+    # the standard library alone runs in the lean worker; a third-party import in the rich one, where
+    # scipy's top level is preloaded
+    assert (r[1].stdout, r[2].stdout) == ("False\n", "True\n"), r
+
+
+def test_view_refuses_what_it_cannot_find(monkeypatch):
+    with pytest.raises(RuntimeError, match="refusing to start.*no-such-dist-b6f1"):
+        sandbox_worker.view(("numpy", "no-such-dist-b6f1"))
+    procs = descendants()
+    monkeypatch.setattr(sandbox_worker, "RICH_DISTS", ("sympy", "no-such-dist-b6f1"))
+    with pytest.raises(RuntimeError, match="refusing to start.*the no-such-dist-b6f1 package"):
+        SandboxPool(workers=1).start()
+    monkeypatch.setattr(sandbox_worker, "DEVICES", ("/dev/null", "/dev/no-such-device-b6f1"))
+    sandbox_worker.view.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="refusing to start.*/dev/no-such-device-b6f1"):
+            sandbox_worker.view()
+    finally:
+        sandbox_worker.view.cache_clear()
+    assert descendants() == procs
+
+
+def test_refuses_when_the_view_breaks_an_import(monkeypatch):
+    # a view without numpy's bundled libraries: the rich worker cannot import numpy, and the pool says so
+    procs, real = descendants(), sandbox_worker.view()
+    monkeypatch.setattr(sandbox_worker, "view", lambda dists: tuple(op for op in real if "numpy.libs" not in op[-1]))
+    with pytest.raises(RuntimeError, match=r"failed to start.*cannot import numpy in the sandbox.*libscipy_openblas"):
+        SandboxPool(workers=1, isolation="bwrap").start()
+    assert descendants() == procs
+
+
+def test_view_keeps_symlinks_the_loader_follows(tmp_path):
+    # a library reached through a directory link and a soname link: both links are recreated, and only
+    # the real file is bound
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "libx.so.1.2").write_bytes(b"")
+    (tmp_path / "real" / "libx.so.1").symlink_to("libx.so.1.2")
+    (tmp_path / "lib").symlink_to(tmp_path / "real")
+    links = {}
+    assert sandbox_worker._resolve(str(tmp_path / "lib" / "libx.so.1"), links) == str(tmp_path / "real" / "libx.so.1.2")
+    assert links == {str(tmp_path / "lib"): str(tmp_path / "real"), str(tmp_path / "real" / "libx.so.1"): "libx.so.1.2"}
+    assert "libc.so.6" in sandbox_worker._elf_needed(os.path.realpath(sys.executable))
+    assert sandbox_worker._elf_needed(__file__) == ()
 
 
 def test_worker_killed_mid_call_is_replaced(pool):
@@ -286,10 +444,11 @@ def test_async_front_from_a_background_thread_and_overloaded():
     assert descendants() == before
 
 
-def test_unshare_fallback():
+def test_unshare_fallback(planted):
     before, procs = host_call_dirs(), descendants()
     with SandboxPool(workers=1, timeout=1.0, isolation="unshare") as pool:
         assert pool.mode == "unshare"
+        check_sees_only_the_view(pool, planted)  # the same view as bwrap's
         rs = pool.map(["import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
                        "open('/pwned.txt', 'w')", "import os\nprint(os.getpid(), os.getuid() != 0)",
                        "import wave\nprint('ok')", "while True: pass",
@@ -298,19 +457,44 @@ def test_unshare_fallback():
         assert "unreachable" in rs[0].stderr and "Read-only" in rs[1].stderr
         assert rs[2].stdout.split()[1] == "True" if ROOT else True
         assert len(descendants() - procs) == 4  # unshare + worker, lean and rich: the setsid child is gone
-    assert descendants() == procs and host_call_dirs() == before
+    assert descendants() == procs and not host_call_dirs() - before
+
+
+def test_submit_without_an_event_loop():
+    # the rollout engine's API: submit() from plain threads returns concurrent futures at once; the pool
+    # times out queued calls on its own loop thread (without it `fast` would wait for `slow`, then run)
+    before = descendants()
+    pool = SandboxPool(workers=1, timeout=3, queue_timeout=0.3).start()
+    try:
+        slow = pool.submit("import time\ntime.sleep(1.0)\nprint('slow')", "")
+        time.sleep(0.05)
+        fast, skipped = pool.submit("print('never runs')", ""), pool.submit("print('cancelled')", "")
+        assert isinstance(fast, concurrent.futures.Future) and skipped.cancel()
+        t = time.monotonic()
+        r = fast.result(timeout=5)
+        assert r.status == "overloaded" and time.monotonic() - t < 0.6 and "queue_timeout" in r.stderr, r
+        assert (slow.result().status, slow.result().stdout) == ("ok", "slow\n")
+        futs = [pool.submit(f"print(int(input()) ** 2)", f"{i}\n") for i in range(4)]
+        assert [f.result().stdout for f in futs] == ["0\n", "1\n", "4\n", "9\n"]
+    finally:
+        pool.close()
+    assert descendants() == before
+    with pytest.raises(RuntimeError, match="not running"):
+        pool.submit("print(1)", "")
 
 
 def test_isolation_none_still_limits_and_cleans_up():
-    before, procs = host_call_dirs(), descendants()
+    procs = descendants()
     pool = SandboxPool(workers=1, timeout=1.0, isolation="none").start()
     try:
         rs = pool.map(["print(sum(range(10)))", "import time\ntime.sleep(100)", "x = bytearray(50 * 2**30)",
                        "import os\nos.fork() or os.execvp('sleep', ['sleep', '100'])"])
         assert [r.status for r in rs] == ["ok", "timeout", "memory", "ok"], rs
         assert len(descendants() - procs) == 2  # lean + rich worker: the call's process group was killed
-        left = host_call_dirs() - before  # each worker's own dir on the host's /tmp, empty between calls
-        assert len(left) == 2 and not any(os.listdir(os.path.join("/tmp", d)) for d in left)
+        # each worker's own dir is on the host's /tmp, empty between calls
+        own = {os.path.dirname(r.stdout.strip()) for r in pool.map(["import os\nprint(os.getcwd())",
+                                                                     "import os, numpy\nprint(os.getcwd())"])}
+        assert len(own) == 2 and all(os.path.isdir(d) and os.listdir(d) == [] for d in own), own
         # close() answers what is still queued: one call runs, the ones behind it are told the pool shut down
         out = {}
         t = threading.Thread(target=lambda: out.update(r=pool.map(["import time\ntime.sleep(0.8)"] + ["print(1)"] * 3)))
@@ -321,19 +505,19 @@ def test_isolation_none_still_limits_and_cleans_up():
     t.join()
     assert [r.status for r in out["r"]] == ["ok", "crash", "crash", "crash"], out["r"]
     assert "shut down" in out["r"][1].stderr
-    assert descendants() == procs and host_call_dirs() == before
+    assert descendants() == procs and not any(os.path.exists(d) for d in own)
     with pytest.raises(RuntimeError, match="not running"):
         pool.map(["print(1)"])
 
 
 def test_refuses_to_start_without_isolation(monkeypatch):
     procs = descendants()
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory: [f"/nonexistent/{mode}"])
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [f"/nonexistent/{mode}"])
     with pytest.raises(RuntimeError, match=r"refusing to start.*bwrap.*unshare.*isolation='none'"):
         SandboxPool(workers=1).start()
     # a wrapper that silently isolates nothing is caught by the worker's own checks
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory: [])
-    with pytest.raises(RuntimeError, match="not isolated.*pid namespace.*writable"):
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [])
+    with pytest.raises(RuntimeError, match="not isolated.*root holds more than the view.*pid namespace.*writable"):
         SandboxPool(workers=1, isolation="bwrap").start()
     assert descendants() == procs
 
@@ -425,8 +609,8 @@ def test_soak_10k_calls():
            if r.status != c[2] or (c[3] is not None and (r.stdout, r.value) != (c[3], c[4]))]
     assert not bad, f"{len(bad)} wrong answers, e.g. {bad[:3]}"
     assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap or unshare, worker): nothing else alive
-    # only its own dir (plus a checkout or venv under /tmp, bound back read-only)
-    bound = {p.split("/")[2] for p in sandbox._under_tmp()}
+    # only its own dir (plus the top of a venv or checkout under /tmp, whose needed pieces are bound)
+    bound = {op[-1].split("/")[2] for op in sandbox_worker.view() if op[-1].startswith("/tmp/")}
     assert all(r.status == "ok" and len(set(eval(r.stdout)) - bound) == 1 for r in listing), listing
     assert descendants() == before
     print(f"soak: 10,000 calls in {time.monotonic() - t:.1f} s")
