@@ -23,6 +23,9 @@ Weights for generation: each rank keeps an unsharded inference copy of the polic
 to its FSDP2 training shards; after every optimizer step each parameter is gathered with
 `full_tensor()` one at a time and copied into it (a 14B model: 29.6 GB bf16 per rank; see README).
 """
+import gzip
+import itertools
+import json
 import math
 import os
 import time
@@ -83,6 +86,7 @@ activation_checkpointing = False
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
 save_every = 20
+dump_every = 10  # every trajectory of every Nth step to run_dir/rollouts/ (read with view.py); 0 = never
 seed = 0
 wandb_project = ""
 cfg = configure(globals())
@@ -146,6 +150,29 @@ def micro_batches(trajs, advs):
                      "mask": [0] * (len(t.prompt_ids) - 1) + t.mask})  # loss only on sampled tokens
     bins = pack([len(s["ids"]) for s in seqs], max_tokens_per_micro, world)
     return [collate([seqs[i] for i in b], device, packed) for b in bins[rank::world]]
+
+
+def dump_step(path, questions, groups, keep_groups, kept, advs):
+    """Every trajectory of the step, decoded, one gzip JSON line each in request order, for view.py."""
+    adv = dict(zip(map(id, kept), advs))  # the trajectories of the update and their advantages
+    mixed = set(keep_groups.tolist())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt", compresslevel=1) as f:  # level 9 (the default) was 12x slower for 10% less
+        for g, group in enumerate(groups):
+            kind = "mixed" if g in mixed else "all_correct" if group[0].meta["reward"] > 0 else "all_wrong"
+            for s, t in enumerate(group):
+                runs = [(m, len(list(r))) for m, r in itertools.groupby(t.mask)]  # loss-mask runs
+                ends = itertools.accumulate(n for _, n in runs)
+                # p_err + p_format as RoC sees it (a first turn cut by the budget has 0 turns: count it as 1)
+                pen = grpo_roc.penalty([c["status"] for c in t.tool_calls], t.meta["answers"],
+                                       max(1, t.turns)) if g in mixed else None
+                f.write(json.dumps({
+                    "step": step, "group": g, "sample": s, "question": questions[g], "answer": t.meta["answer"],
+                    "prompt": tokenizer.decode(t.prompt_ids),
+                    "segments": [[tokenizer.decode(t.response_ids[e - n:e]), m] for (m, n), e in zip(runs, ends)],
+                    "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
+                    "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind,
+                    "penalty": pen, "kept": id(t) in adv, "advantage": adv.get(id(t))}) + "\n")
 
 
 logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
@@ -254,6 +281,9 @@ while step < steps:
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
     if step % save_every == 0 or step == steps:
         save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer, {"step": step, "cursor": cursor})
+    if dump_every and step % dump_every == 0 and rank == 0:  # the record of the step, for reading
+        dump_step(os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz"),
+                  [problems[i]["question"] for i, _ in batch], groups, keep_groups, kept, advs if kept else [])
 
 tools.close()
 compute_cleanup()
