@@ -268,7 +268,8 @@ function render() {
     sec.group = g;
     head.append(`group ${g.group} `);
     if (g.kind) head.append(el('span', 'kind ' + g.kind, g.kind.replace('_', ' ')), ' ');
-    head.append(`${right}/${g.samples.length} correct · gold ${g.answer} · `, el('b', '', g.question));
+    const kept = g.kind === 'mixed' ? ` · ${g.samples.filter(TEST.kept).length} kept` : '';
+    head.append(`${right}/${g.samples.length} correct${kept} · gold ${g.answer} · `, el('b', '', g.question));
     head.onclick = () => { sec.classList.toggle('closed'); fill(sec); };
     sec.append(head, el('div', 'gb'));
     list.appendChild(sec);
@@ -318,6 +319,6 @@ if __name__ == "__main__":
     out = args.out or (os.path.join(args.path, "view.html") if os.path.isdir(args.path)
                        else args.path.split(".jsonl")[0] + ".html")
     with open(out, "w", encoding="utf-8") as f:
-        f.write(render(records, metrics, f"rollouts · {os.path.abspath(args.path)}"))
+        f.write(render(records, metrics, f"rollouts · {args.path}"))
     groups = len({(r.get("step"), r["group"]) for r in records})
     print(f"wrote {out}: {len(records)} trajectories, {groups} groups")

@@ -269,11 +269,14 @@ def test_big_step_renders_lazily(browser, tmp_path):
     t_dump = time.perf_counter() - t0
     make_page(tmp_path / "big.jsonl.gz", "-o", str(tmp_path / "big.html"))
     t_page = time.perf_counter() - t0 - t_dump
-    wall = browser.open(tmp_path / "big.html")
-    first = browser.js("window.firstRender")
+    walls, firsts = [], []
+    for _ in range(3):  # a shared machine: three loads
+        walls.append(browser.open(tmp_path / "big.html"))
+        firsts.append(browser.js("window.firstRender"))
     mb = os.path.getsize(tmp_path / "big.html") / 1e6
-    print(f"\n16,384 rollouts: dump {t_dump:.1f}s, view.py {t_page:.1f}s, page {mb:.1f} MB; "
-          f"load-to-first-render {first:.0f} ms (navigation start -> first frame), wall {wall:.2f}s")
+    print(f"\n16,384 rollouts: dump {t_dump:.1f}s, view.py {t_page:.1f}s, page {mb:.1f} MB; load-to-first-render "
+          f"(navigation start -> first frame) {', '.join(f'{f:.0f}' for f in firsts)} ms; "
+          f"wall {', '.join(f'{w:.2f}' for w in walls)} s")
     assert browser.js("document.getElementById('count').textContent") == "16384 of 16384 trajectories · 512 groups"
     built = browser.js("document.querySelectorAll('.s').length")
     assert 0 < built <= 32 * 8  # a few groups, not 512
