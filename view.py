@@ -8,6 +8,8 @@ browser opens from disk: no server, no network, no external script or font.
   python view.py out/eval_tiny                   an eval out_dir (its trajectories.jsonl)
 
 The page goes next to its input (RUN_DIR/view.html, or the dump's name with .html) unless -o says.
+A run dir puts every dumped step in one page: at 14B scale (16,384 rollouts of ~4K tokens a step) open
+one dump file at a time.
 train_rl.py writes one record per trajectory every `dump_every` steps (see dump_step there); eval.py
 writes the same record without the step-only keys (step, group_kind, penalty, kept, advantage).
 

@@ -50,7 +50,8 @@ class Browser:
         self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         for domain in ("Page", "Runtime", "Network"):
             self.send(domain + ".enable")
-        self.send("Emulation.setDeviceMetricsOverride", width=1500, height=1000, deviceScaleFactor=1, mobile=False)
+        self.send("Emulation.setDeviceMetricsOverride", width=1500, height=1000, deviceScaleFactor=1,
+                  mobile=False)
 
     def read(self, timeout=60):
         deadline = time.time() + timeout
@@ -100,6 +101,9 @@ class Browser:
         if "exceptionDetails" in r:
             raise RuntimeError(f"{expression}: {r['exceptionDetails']}")
         return r["result"].get("value")
+
+    def text(self, selector):
+        return self.js(f"document.querySelector({json.dumps(selector)}).textContent")
 
     def click(self, selector):
         """A real mouse click at the middle of the element (not element.click())."""
@@ -151,7 +155,8 @@ def test_dump_is_the_record_of_the_step(tiny_run):
     for m in metrics:
         recs = view.read_records(str(tiny_run / "rollouts" / f"step_{m['step']:06d}.jsonl.gz"))
         assert all(set(r) == KEYS for r in recs) and len(recs) == 4 * 8  # every trajectory, kept or not
-        assert [(r["step"], r["group"], r["sample"]) for r in recs] == [(m["step"], g, s) for g in range(4) for s in range(8)]
+        order = [(r["step"], r["group"], r["sample"]) for r in recs]
+        assert order == [(m["step"], g, s) for g in range(4) for s in range(8)]
         # the dump agrees with what train_rl.py logged for the step
         assert sum(r["reward"] for r in recs) / len(recs) == pytest.approx(m["reward"])
         assert sum(len(r["response_ids"]) for r in recs) / len(recs) == pytest.approx(m["response_len"])
@@ -185,7 +190,7 @@ def test_page_counts_filter_and_screenshot(tiny_run, browser, tmp_path):
     n_right = sum(r["reward"] > 0 for r in recs)
     n_err = sum(any(c["status"] in grpo_roc.TOOL_ERRORS for c in r["tool_calls"]) for r in recs)
     assert browser.js("document.getElementById('step').value") == "2"  # the last step first
-    assert browser.js("document.getElementById('count').textContent") == "32 of 32 trajectories · 4 groups"
+    assert browser.text("#count") == "32 of 32 trajectories · 4 groups"
     buttons = browser.js("[...document.querySelectorAll('#filters button')].map(b => b.textContent)")
     assert f"correct {n_right}" in buttons and f"wrong {32 - n_right}" in buttons
     assert f"tool error {n_err}" in buttons and f"kept {sum(r['kept'] for r in recs)}" in buttons
@@ -193,24 +198,24 @@ def test_page_counts_filter_and_screenshot(tiny_run, browser, tmp_path):
     assert browser.js("document.querySelectorAll('.s').length") > 0
     assert browser.js("document.querySelectorAll('.txt .m0').length") > 0
     assert browser.js("document.querySelectorAll('.mask i.b0').length") > 0
-    browser.screenshot(tmp_path / "all.png")
     browser.click("#filters button[data-f=correct]")
     groups = len({r["group"] for r in recs if r["reward"] > 0})
-    assert browser.js("document.getElementById('count').textContent") == f"{n_right} of 32 trajectories · {groups} groups"
+    assert browser.text("#count") == f"{n_right} of 32 trajectories · {groups} groups"
     assert browser.js("[...document.querySelectorAll('.s')].every(s => s.classList.contains('ok'))")
     browser.click("#filters button[data-f=wrong]")  # exclusive with correct: one replaces the other
-    assert browser.js("document.getElementById('count').textContent").startswith(f"{32 - n_right} of 32")
+    assert browser.text("#count").startswith(f"{32 - n_right} of 32")
     browser.click("#filters button[data-f=wrong]")
     png = browser.screenshot(tmp_path / "page.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     # the other step from the selector, and the page asked for nothing but itself
     browser.js("(s => { s.value = '1'; s.onchange(); })(document.getElementById('step'))")
     recs1 = view.read_records(str(tiny_run / "rollouts" / "step_000001.jsonl.gz"))
-    assert browser.js("document.getElementById('stats').textContent").startswith("step 1 · 4 prompts × 8 samples")
-    assert browser.js("document.getElementById('count').textContent") == "32 of 32 trajectories · 4 groups"
+    assert browser.text("#stats").startswith("step 1 · 4 prompts × 8 samples")
+    assert browser.text("#count") == "32 of 32 trajectories · 4 groups"
     assert f"correct {sum(r['reward'] > 0 for r in recs1)}" in browser.js(
         "[...document.querySelectorAll('#filters button')].map(b => b.textContent)")
-    urls = [e["params"]["request"]["url"] for e in browser.events if e.get("method") == "Network.requestWillBeSent"]
+    urls = [e["params"]["request"]["url"] for e in browser.events
+            if e.get("method") == "Network.requestWillBeSent"]
     assert urls == ["file://" + str(tmp_path / "page.html")]
     assert browser.js("document.querySelectorAll('svg.chart polyline').length") == 3  # metrics.jsonl's chart
 
@@ -239,8 +244,9 @@ def synthetic(path, groups, samples, tokens=300, evil=None, seed=0):
                     segments.append([f"\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response>", 0])
                     mask += [0] * 40
             recs.append({"step": 7, "group": g, "sample": s, "question": evil or question, "answer": "42",
-                         "prompt": "<|im_start|>system\n...", "segments": segments, "response_ids": [5] * len(mask),
-                         "mask": mask, "reward": float(right[s]), "finish": rng.choice(["stop"] * 9 + ["length"]),
+                         "prompt": "<|im_start|>system\n...", "segments": segments,
+                         "response_ids": [5] * len(mask), "mask": mask, "reward": float(right[s]),
+                         "finish": rng.choice(["stop"] * 9 + ["length"]),
                          "turns": n_calls + 1, "tool_calls": calls, "group_kind": kind,
                          "penalty": 0.5 if kind == "mixed" else None, "kept": kind == "mixed" and s % 2 == 0,
                          "advantage": 0.1 if kind == "mixed" and s % 2 == 0 else None})
@@ -259,7 +265,7 @@ def test_model_text_and_tool_output_stay_text(browser, tmp_path):
     assert browser.js("window.pwned") is None and browser.js("document.querySelectorAll('img').length") == 0
     shown = browser.js("[...document.querySelectorAll('.txt .m0')].map(e => e.textContent).join('')")
     assert evil in shown  # shown as the characters it is made of
-    assert evil in browser.js("document.querySelector('.gh b').textContent")
+    assert evil in browser.text(".gh b")
 
 
 def test_big_step_renders_lazily(browser, tmp_path):
@@ -274,10 +280,10 @@ def test_big_step_renders_lazily(browser, tmp_path):
         walls.append(browser.open(tmp_path / "big.html"))
         firsts.append(browser.js("window.firstRender"))
     mb = os.path.getsize(tmp_path / "big.html") / 1e6
-    print(f"\n16,384 rollouts: dump {t_dump:.1f}s, view.py {t_page:.1f}s, page {mb:.1f} MB; load-to-first-render "
-          f"(navigation start -> first frame) {', '.join(f'{f:.0f}' for f in firsts)} ms; "
+    print(f"\n16,384 rollouts: dump {t_dump:.1f}s, view.py {t_page:.1f}s, page {mb:.1f} MB; "
+          f"load-to-first-render (navigation start -> first frame) {', '.join(f'{f:.0f}' for f in firsts)} ms; "
           f"wall {', '.join(f'{w:.2f}' for w in walls)} s")
-    assert browser.js("document.getElementById('count').textContent") == "16384 of 16384 trajectories · 512 groups"
+    assert browser.text("#count") == "16384 of 16384 trajectories · 512 groups"
     built = browser.js("document.querySelectorAll('.s').length")
     assert 0 < built <= 32 * 8  # a few groups, not 512
     browser.js("window.scrollTo(0, document.body.scrollHeight)")
@@ -288,7 +294,7 @@ def test_big_step_renders_lazily(browser, tmp_path):
     assert browser.js("document.querySelector('section.g:last-child .s')") is not None
     n_right = sum(r["reward"] > 0 for r in recs)
     browser.click("#filters button[data-f=correct]")
-    assert browser.js("document.getElementById('count').textContent").startswith(f"{n_right} of 16384")
+    assert browser.text("#count").startswith(f"{n_right} of 16384")
 
 
 def test_eval_page(sft, tmp_path, browser):  # noqa: F811
@@ -299,7 +305,7 @@ def test_eval_page(sft, tmp_path, browser):  # noqa: F811
     assert all(set(r) == KEYS - {"step", "group_kind", "penalty", "kept", "advantage"} | {"pred"} for r in recs)
     make_page(tmp_path / "ev")
     browser.open(tmp_path / "ev" / "view.html")
-    assert browser.js("document.getElementById('count').textContent") == "6 of 6 trajectories · 3 groups"
-    assert browser.js("document.getElementById('stats').textContent") == "eval · 3 prompts × 2 samples"
+    assert browser.text("#count") == "6 of 6 trajectories · 3 groups"
+    assert browser.text("#stats") == "eval · 3 prompts × 2 samples"
     assert browser.js("document.querySelector('#filters button[data-f=kept]')") is None  # no RoC in an eval
     assert browser.js("document.querySelectorAll('svg.chart').length") == 0
