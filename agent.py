@@ -353,18 +353,22 @@ def render_conversation(tokenizer, messages):
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
+def mask_runs(tokenizer, ids, mask):
+    """[[text, m], ...]: the response decoded in runs of equal loss-mask value (1: sampled by the policy,
+    0: tool responses and forced glue)."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            runs.append([tokenizer.decode(ids[start:i]), mask[start]])
+            start = i
+    return runs
+
+
 def sampled_turns(tokenizer, ids, mask):
     """The text of each run of tokens the policy sampled (mask 1), in order. Answers are read from these
     only: code that prints '<answer>\\boxed{7}</answer>' must not supply the answer, and a block cannot
     span a tool response."""
-    runs, start = [], None
-    for i, m in enumerate(list(mask) + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            runs.append(tokenizer.decode(ids[start:i]))
-            start = None
-    return runs
+    return [text for text, m in mask_runs(tokenizer, ids, mask) if m]
 
 
 def _texts(text):

@@ -41,7 +41,7 @@ Metrics (summary.json, summary.md, printed):
                  timeout / memory / crash over all calls), truncation ratio (finish == "length"),
                  max-turns ratio, no-answer ratio
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
-trajectories.jsonl (every trajectory decoded: the response text, answer, reward, finish, tool calls;
+trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them;
 --save_trajectories=false skips it for huge runs).
 --keep_unsolved=FILE writes the problems whose pass rate is < 1 (the paper's stage-3 filter: 8 samples,
 drop what the policy always solves).
@@ -362,15 +362,16 @@ if __name__ == "__main__":
             json.dump(summary, f, indent=2)
         with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
-        if save_trajectories:  # every trajectory, decoded, for reading
+        if save_trajectories:  # every trajectory, decoded: train_rl.py's record (view.py reads both), + "pred"
             with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
                 for t in trajs:
-                    i, s = t.key[1], t.key[2]
                     f.write(json.dumps({
-                        "problem": i, "sample": s, "question": problems[i]["question"], "gold": t.meta["answer"],
-                        "pred": t.meta["pred"], "reward": t.meta["reward"], "finish": t.finish, "turns": t.turns,
-                        "response_tokens": len(t.response_ids), "model_tokens": sum(t.mask),
-                        "tool_calls": t.tool_calls, "text": t.text}, ensure_ascii=False) + "\n")
+                        "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]]["question"],
+                        "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
+                        "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
+                        "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
+                        "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
+                        ensure_ascii=False) + "\n")
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         if keep_unsolved:

@@ -16,6 +16,10 @@ fi
 if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "note: could not install bubblewrap"
 fi
+# tests/test_view.py drives headless chromium (Debian's package): installed the same way, for the tests only
+if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "note: could not install chromium"
+fi
 if [ "${1:-}" = test ]; then
   shift
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tests run side by side with sandbox workers

@@ -29,7 +29,6 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 import collections
 import functools
 import gzip
-import itertools
 import json
 import math
 import os
@@ -192,19 +191,16 @@ def dump_step(step, groups):
     what the policy wrote, what the tool answered, and what RoC kept."""
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with gzip.open(path, "wt") as f:
+    with gzip.open(path, "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
         for b, group in enumerate(groups):
             rs = {t.meta["reward"] for t in group}
             kind = "mixed" if len(rs) > 1 else "all_correct" if rs == {1.0} else "all_wrong"
             for t in group:
-                ids, mask, segments = t.response_ids, t.mask, []
-                for m, run in itertools.groupby(range(len(ids)), key=lambda i: mask[i]):
-                    run = list(run)
-                    segments.append([tokenizer.decode(ids[run[0]:run[-1] + 1]), m])
-                i = t.meta["problem"]
+                ids, mask, i = t.response_ids, t.mask, t.meta["problem"]
                 f.write(json.dumps({
                     "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
-                    "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids), "segments": segments,
+                    "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
+                    "segments": agent.mask_runs(tokenizer, ids, mask),
                     "response_ids": ids, "mask": mask, "reward": t.meta["reward"], "finish": t.finish,
                     "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind,
                     "penalty": t.meta.get("penalty"), "kept": "advantage" in t.meta,

@@ -249,18 +249,18 @@ def test_script_runs_and_writes_outputs(tiny, first_run):
     s, trajs = outputs(out)
     assert s["problems"] == 3 and s["samples"] == 2 and s["temperature"] == 1.0
     assert s["config"]["max_response_tokens"] == 48 and s["config"]["max_turns"] == 4
-    assert [(t["problem"], t["sample"]) for t in trajs] == [(i, j) for i in range(3) for j in range(2)]
+    assert [(t["group"], t["sample"]) for t in trajs] == [(i, j) for i in range(3) for j in range(2)]
     for t in trajs:
-        assert 1 <= t["response_tokens"] <= 48 and t["model_tokens"] <= t["response_tokens"]
+        assert 1 <= len(t["response_ids"]) <= 48 and len(t["mask"]) == len(t["response_ids"])
         assert t["finish"] in ("stop", "length", "max_turns") and t["reward"] in (0.0, 1.0)
-        assert isinstance(t["text"], str) and t["text"]
+        assert "".join(text for text, _ in t["segments"]) and t["segments"][0][1] == 1
     # the summary agrees with the dump it came from
     assert s["avg@k"] == pytest.approx(sum(t["reward"] for t in trajs) / 6)
-    assert s["mean_length"] == pytest.approx(sum(t["response_tokens"] for t in trajs) / 6)
+    assert s["mean_length"] == pytest.approx(sum(len(t["response_ids"]) for t in trajs) / 6)
     assert s["truncation_ratio"] == pytest.approx(sum(t["finish"] == "length" for t in trajs) / 6)
     per = read_out(out / "per_problem.jsonl")
     assert [p["index"] for p in per] == [0, 1, 2]
-    assert [p["correct"] for p in per] == [sum(t["reward"] for t in trajs if t["problem"] == i) for i in range(3)]
+    assert [p["correct"] for p in per] == [sum(t["reward"] for t in trajs if t["group"] == i) for i in range(3)]
     md = open(out / "summary.md").read()
     assert "| avg@2 |" in md and "| maj@2 |" in md and md.count("/2 |") == 3
     heldout = read_out(tiny / "data" / "heldout.jsonl")
