@@ -91,6 +91,21 @@ def latest_checkpoint(run_dir):
     return os.path.join(run_dir, max(steps)) if steps else None
 
 
+def load_trainable(path, device, dtype, activation_checkpointing=False):
+    """The model to train, fp32 master weights: under torchrun FSDP2 shards (dtype = compute dtype), each
+    rank reading only its own rows of the checkpoint; else one plain fp32 copy. Build the optimizer after
+    this: FSDP replaces the parameters it shards."""
+    from model import load_model, load_weights, shard_model
+    if dist.is_initialized():
+        model = load_model(path, device="meta")
+        shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
+        load_weights(model, path, device)
+    else:
+        model = load_model(path, device=device, dtype=torch.float32)
+    model.gradient_checkpointing = activation_checkpointing
+    return model.train()
+
+
 def save_checkpoint(path, model, optimizer, tokenizer, state):
     """HF-format weights via model.save_model, the optimizer with torch.distributed.checkpoint (each
     rank writes only its own shards), and a small state dict (step, data cursor, RNG) from rank 0."""

@@ -28,10 +28,9 @@ Why each piece (paper §2.2):
    gives Eq. 6 by weighting each trajectory.
 
 Deviations from plain GRPO, and where the paper and the released code differ (both are available):
-- mode="sample" (default) is the paper's rule; mode="deterministic" is the released code's rule
-  (lowest penalties first, at least 2 of each side). See resample_on_correct.
-- p_err is computed from the structured tool-call statuses, not by searching "error" in the text as
-  the released code does (that misses timeouts and parse failures, and flags stdout that prints "error").
+- mode="sample" (default) is the paper's RoC rule, mode="deterministic" the released code's.
+- p_err counts failed calls (train_rl.py reads their statuses), not "error" in the text as the release
+  does (that misses timeouts and parse failures, and flags stdout that prints "error").
 - dual_clip (verl's default c = 3.0, not in the paper) is off unless asked for.
 """
 
@@ -89,35 +88,13 @@ def filter_groups(rewards):
 
 def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_pos=2, min_neg=2, eps=1e-3):
     """
-    Resample-on-Correct (paper §2.2.3): keep G of the 2G rollouts of one group.
-    Returns the kept indices into the group, a (G,) long tensor in ascending order.
-
-    rewards: (2G,) 0/1 tensor; penalties: (2G,) float tensor of p_err + p_format (see penalty());
-    only the positives' penalties are used. generator: a torch.Generator (mode="sample" only).
-
-    mode="sample", the paper's rule:
-      k_neg = floor(n_neg / 2) negatives, drawn uniformly without replacement;
-      k_pos = G - k_neg positives, drawn without replacement, each draw picking among the remaining
-      positives with probability proportional to 1 / (penalty + eps). eps only guards penalty 0: with
-      1e-3 a zero-penalty positive weighs 1000 against ~30 for penalty 1/30, so "perfect" ones come first.
-      Sizes: n_pos + n_neg = 2G, so k_pos = G - floor(n_neg/2) = ceil(n_pos/2) <= n_pos (and
-      k_neg <= n_neg): the rule always returns exactly G, "half of each side", with the odd one out
-      taken from the positives. Note n_neg = 1 keeps no negative; that group then has zero advantage.
-    mode="deterministic", the released code's rule (down_sample/roc.py), for 2G = n rollouts:
-      k_neg = round(n_neg * G / n), k_pos = round(n_pos * G / n)   (Python round: half to even)
-      if k_neg <= min(min_neg, n_neg): k_neg = min(min_neg, n_neg); k_pos = G - k_neg
-      if k_pos <= min(min_pos, n_pos): k_pos = min(min_pos, n_pos); k_neg = G - k_pos
-      positives: the k_pos lowest penalties (stable sort, ties in rollout order);
-      negatives: the first k_neg in rollout order (after the released PR #50, which removed a sort).
-      For even G the rounded sizes always sum to G. For odd G they can sum to G +- 1 (e.g. G = 7,
-      n_neg = n_pos = 7 gives 4 + 4); the released code fails an assert there, and so do we (ValueError).
-      (The code's "keep the whole group if both sides are under their minimum" branch cannot happen
-      once min_pos + min_neg <= G, which is required, so it is not reproduced.)
+    Resample-on-Correct (paper §2.2.3): keep G of the 2G rollouts of one group. mode="sample" is the
+    paper's rule (roc_sample), mode="deterministic" the released code's (roc_released).
+    rewards: (2G,) 0/1; penalties: (2G,) p_err + p_format (see penalty()), only the positives' are used;
+    generator: a torch.Generator (mode="sample"). Returns the kept indices, (G,) ascending.
     """
-    if mode not in ("sample", "deterministic"):
-        raise ValueError(f"mode must be 'sample' or 'deterministic', got {mode!r}")
-    if not isinstance(G, int) or G < 1:
-        raise ValueError(f"G must be a positive int, got {G!r}")
+    if mode not in ("sample", "deterministic") or not isinstance(G, int) or G < 1:
+        raise ValueError(f"need mode 'sample' or 'deterministic' and G a positive int, got {mode!r}, {G!r}")
     if rewards.shape != (2 * G,) or penalties.shape != (2 * G,):
         raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
                          f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
@@ -126,37 +103,57 @@ def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
     pos = (rewards == 1).nonzero().flatten()  # (n_pos,) rollout order
     neg = (rewards == 0).nonzero().flatten()  # (n_neg,)
-    n_pos, n_neg = len(pos), len(neg)
-
     if mode == "sample":
-        if not isinstance(generator, torch.Generator):
-            raise ValueError(f"mode='sample' needs a torch.Generator (explicit RNG), got {generator!r}")
-        k_neg = n_neg // 2
-        k_pos = G - k_neg
-        neg_keep = neg[torch.randperm(n_neg, generator=generator)[:k_neg]]
-        pos_keep = pos[:0]
-        if k_pos > 0:
-            # float64 so 1/eps-sized weights do not swamp the rest in rounding
-            weights = 1.0 / (penalties[pos].double() + eps)  # (n_pos,)
-            pos_keep = pos[torch.multinomial(weights, k_pos, replacement=False, generator=generator)]
+        keep = roc_sample(pos, neg, penalties[pos], G, generator, eps)
     else:
-        if min_pos < 0 or min_neg < 0 or min_pos + min_neg > G:
-            raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, got {min_pos=} {min_neg=} {G=}")
-        k_neg = round(n_neg * G / (2 * G))
-        k_pos = round(n_pos * G / (2 * G))
-        if k_neg <= min(min_neg, n_neg):
-            k_neg = min(min_neg, n_neg)
-            k_pos = G - k_neg
-        if k_pos <= min(min_pos, n_pos):
-            k_pos = min(min_pos, n_pos)
-            k_neg = G - k_pos
-        if k_pos + k_neg != G or k_pos > n_pos or k_neg > n_neg:
-            raise ValueError(f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
-                             f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
-        order = torch.sort(penalties[pos], stable=True).indices  # lowest penalty first
-        pos_keep = pos[order[:k_pos]]
-        neg_keep = neg[:k_neg]
-    return torch.cat([pos_keep, neg_keep]).sort().values  # (G,)
+        keep = roc_released(pos, neg, penalties[pos], G, min_pos, min_neg)
+    return torch.cat(keep).sort().values  # (G,)
+
+
+def roc_sample(pos, neg, pos_penalties, G, generator, eps):
+    """
+    The paper's rule: k_neg = floor(n_neg / 2) negatives drawn uniformly; k_pos = G - k_neg positives
+    drawn without replacement, each draw ∝ 1 / (penalty + eps) among those left. eps only guards penalty
+    0: a zero-penalty positive weighs 1000 against ~30 for penalty 1/30, so "perfect" ones come first.
+    As n_pos + n_neg = 2G, k_pos = ceil(n_pos / 2) <= n_pos: always exactly G, half of each side, the odd
+    one out from the positives (n_neg = 1 keeps no negative; that group then has zero advantage).
+    """
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"mode='sample' needs a torch.Generator (explicit RNG), got {generator!r}")
+    k_neg = len(neg) // 2
+    k_pos = G - k_neg
+    neg_keep = neg[torch.randperm(len(neg), generator=generator)[:k_neg]]
+    if k_pos == 0:
+        return pos[:0], neg_keep
+    weights = 1.0 / (pos_penalties.double() + eps)  # (n_pos,) float64: 1/eps must not swamp the rest
+    return pos[torch.multinomial(weights, k_pos, replacement=False, generator=generator)], neg_keep
+
+
+def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
+    """
+    The released code's rule (down_sample/roc.py), for n = 2G rollouts (Python round: half to even):
+      k_neg = round(n_neg * G / n), k_pos = round(n_pos * G / n)
+      if k_neg <= min(min_neg, n_neg): k_neg = min(min_neg, n_neg); k_pos = G - k_neg
+      if k_pos <= min(min_pos, n_pos): k_pos = min(min_pos, n_pos); k_neg = G - k_pos
+    positives: the k_pos lowest penalties (stable sort); negatives: the first k_neg in rollout order
+    (after the release's PR #50, which removed a sort). For odd G the sizes can sum to G +- 1 (G = 7,
+    7 + 7 gives 4 + 4): the release fails an assert there, and so do we. Its "keep the whole group if
+    both sides are under their minimum" branch cannot happen once min_pos + min_neg <= G (required).
+    """
+    if min_pos < 0 or min_neg < 0 or min_pos + min_neg > G:
+        raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, got {min_pos=} {min_neg=} {G=}")
+    n_pos, n_neg = len(pos), len(neg)
+    k_neg, k_pos = round(n_neg * G / (2 * G)), round(n_pos * G / (2 * G))
+    if k_neg <= min(min_neg, n_neg):
+        k_neg = min(min_neg, n_neg)
+        k_pos = G - k_neg
+    if k_pos <= min(min_pos, n_pos):
+        k_pos = min(min_pos, n_pos)
+        k_neg = G - k_pos
+    if k_pos + k_neg != G or k_pos > n_pos or k_neg > n_neg:
+        raise ValueError(f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
+                         f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
+    return pos[torch.sort(pos_penalties, stable=True).indices[:k_pos]], neg[:k_neg]
 
 
 def advantages(rewards, eps=1e-6):

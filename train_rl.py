@@ -40,11 +40,11 @@ from transformers import AutoTokenizer
 
 import agent
 import grpo_roc
-from common import (Logger, all_gather_dict, checkpoint_dir, compute_cleanup, compute_init, latest_checkpoint,
-                    load_trainer_state, pack, collate, print0, save_checkpoint)
+from common import (Logger, all_gather_dict, checkpoint_dir, collate, compute_cleanup, compute_init,
+                    latest_checkpoint, load_trainable, load_trainer_state, pack, print0, save_checkpoint)
 from configurator import configure
 from data import read_jsonl
-from model import load_model, load_weights, shard_model, token_logprobs, use_flash
+from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, ToolRunner, kv_rows
 from sandbox import SandboxPool
 from scheduler import generate_all
@@ -131,13 +131,7 @@ def prompt_at(c):
 # the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank
 start = latest_checkpoint(run_dir) if resume else None
 init_path = start or model_path
-if dist.is_initialized():
-    model = load_model(init_path, device="meta")
-    shard_model(model, param_dtype=ptdtype if ptdtype != torch.float32 else None)
-    load_weights(model, init_path, device)
-else:
-    model = load_model(init_path, device=device, dtype=torch.float32)
-model.gradient_checkpointing = activation_checkpointing
+model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
 policy = load_model(init_path, device=device, dtype=getattr(torch, rollout_dtype or dtype)).eval()
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
 step, cursor = 0, 0

@@ -218,9 +218,9 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from common import Logger, collate, compute_cleanup, compute_init, pack, print0
+    from common import Logger, collate, compute_cleanup, compute_init, load_trainable, pack, print0
     from configurator import configure
-    from model import load_model, load_weights, save_model, shard_model, token_logprobs, use_flash
+    from model import save_model, token_logprobs, use_flash
 
     model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
     data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]  # [(JSONL path, "rstar2" | "chat", weight), ...]
@@ -270,14 +270,7 @@ if __name__ == "__main__":
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
 
-    if dist.is_initialized():
-        model = load_model(model_path, device="meta")
-        shard_model(model, param_dtype=getattr(torch, dtype) if dtype != "float32" else None)
-        load_weights(model, model_path, device)
-    else:
-        model = load_model(model_path, device=device, dtype=torch.float32)
-    model.gradient_checkpointing = activation_checkpointing
-    model.train()
+    model = load_trainable(model_path, device, getattr(torch, dtype), activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch

@@ -34,9 +34,7 @@ import os
 import re
 import sys
 
-# the statuses that count as a tool error: grpo_roc.TOOL_ERRORS (copied so the viewer needs no torch;
-# tests/test_view.py checks they agree)
-TOOL_ERRORS = ("invalid", "error", "timeout", "memory", "crash")
+from agent import TOOL_ERRORS  # the statuses that count as a failed tool call
 
 
 def read_records(path):
@@ -133,7 +131,7 @@ def chart(series, dumped, w=260, h=96):
 
 def render(records, metrics, title):
     """The page: one string, the data embedded as JSON that the script parses once."""
-    data = {"groups": page_data(records), "errors": TOOL_ERRORS, "rl": any("kept" in r for r in records)}
+    data = {"groups": page_data(records), "errors": sorted(TOOL_ERRORS), "rl": any("kept" in r for r in records)}
     blob = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # ascii; no "</script>" possible
     dumped = {r.get("step") for r in records}
     parts = {"TITLE": html.escape(title), "CHART": chart(step_series(records, metrics), dumped), "DATA": blob}

@@ -10,12 +10,11 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
-import grpo_roc
+import agent
 import view
 from test_train import rl, run, sft  # noqa: F401  (sft: the tiny SFT model fixture, reused)
 
@@ -144,10 +143,6 @@ def make_page(path, *args):
     return out.stdout
 
 
-def test_tool_errors_match_grpo_roc():
-    assert set(view.TOOL_ERRORS) == grpo_roc.TOOL_ERRORS
-
-
 def test_dump_is_the_record_of_the_step(tiny_run):
     metrics = [json.loads(line) for line in open(tiny_run / "metrics.jsonl")]
     assert sorted(os.listdir(tiny_run / "rollouts")) == ["step_000001.jsonl.gz", "step_000002.jsonl.gz"]
@@ -188,7 +183,7 @@ def test_page_counts_filter_and_screenshot(tiny_run, browser, tmp_path):
     browser.open(tmp_path / "page.html")
     recs = view.read_records(str(tiny_run / "rollouts" / "step_000002.jsonl.gz"))
     n_right = sum(r["reward"] > 0 for r in recs)
-    n_err = sum(any(c["status"] in grpo_roc.TOOL_ERRORS for c in r["tool_calls"]) for r in recs)
+    n_err = sum(any(c["status"] in agent.TOOL_ERRORS for c in r["tool_calls"]) for r in recs)
     assert browser.js("document.getElementById('step').value") == "2"  # the last step first
     assert browser.text("#count") == "32 of 32 trajectories · 4 groups"
     buttons = browser.js("[...document.querySelectorAll('#filters button')].map(b => b.textContent)")
