@@ -11,9 +11,11 @@ as a user would type it, and prints them:
   6. out/demo/curves.png + out/demo/summary.md
 
 `python demo.py --compare` also runs plain GRPO with the same seed and steps and plots both (the
-paper's Fig. 4 on a laptop: tool errors inside correct trajectories). A stage whose output exists is
-skipped, so `--compare` after a finished run only trains and evaluates plain GRPO; `rm -rf out` for a
-fresh run.
+paper's Fig. 4 on a laptop: tool errors inside correct trajectories). `python demo.py --mismatch` runs
+GRPO-RoC twice more with the rollout engine's copy of the policy in bfloat16 (the trainer stays fp32, as
+on GPU), without and with truncated importance sampling (tis_cap=2), to show the engine-vs-trainer gap
+and what the correction does. A stage whose output exists is skipped, so either flag after a finished run
+only trains and evaluates its extra arms; `rm -rf out` for a fresh run.
 """
 import json
 import os
@@ -27,7 +29,7 @@ import matplotlib.pyplot as plt
 
 from common import read_metrics
 
-compare = "--compare" in sys.argv
+compare, mismatch = "--compare" in sys.argv, "--mismatch" in sys.argv
 seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seed=")), 0)
 out = "out/demo"
 os.makedirs(out, exist_ok=True)
@@ -53,34 +55,41 @@ def evaluate(model, name):
 sh("out/data/sft.jsonl", "data.py", "prepare", "--out=out/tiny-base", "--n_sft=5000", f"--seed={seed}")
 sh("out/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
 before = evaluate("out/tiny-sft", "sft")
-runs = {"GRPO-RoC": "out/tiny-rl"}
+runs = {"GRPO-RoC": ("out/tiny-rl", [])}
 if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
-    runs["GRPO"] = "out/tiny-grpo"
-for name, d in runs.items():
-    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--roc={name == 'GRPO-RoC'}",
-       f"--seed={seed}")
+    runs["GRPO"] = ("out/tiny-grpo", ["--roc=false"])
+if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp32
+    runs["bf16 engine"] = ("out/tiny-bf16", ["--rollout_dtype=bfloat16"])
+    runs["bf16 engine + TIS"] = ("out/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
+for name, (d, extra) in runs.items():
+    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}", *extra)
+runs = {name: d for name, (d, _) in runs.items()}
 steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
 
 # training curves: reward, tool error ratio among positives (Fig. 4), response length; held-out accuracy
-fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+fig, axes = plt.subplots(1, 5, figsize=(22, 4))
 for name, d in runs.items():
     m = read_metrics(d)
     s = [r["step"] for r in m]
-    for ax, key in zip(axes[:3], ("reward", "tool_err_pos", "response_len")):
+    for ax, key in zip(axes[:4], ("reward", "tool_err_pos", "response_len", "mismatch_abs_mean")):
         w = 5  # a short moving average: single RL steps on 8 prompts are noisy
         y = [sum(r[key] for r in m[max(0, i - w + 1):i + 1]) / len(m[max(0, i - w + 1):i + 1]) for i in range(len(m))]
         ax.plot(s, y, label=name)
 axes[0].set_title("training reward (5-step mean)")
 axes[1].set_title("tool error ratio in correct trajectories")
 axes[2].set_title("response length (tokens)")
+axes[3].set_title("|engine - trainer log-prob|, loss tokens")
+axes[3].set_yscale("symlog", linthresh=1e-6)
 labels = ["after SFT"] + [f"after {n}" for n in after]
 accs = [before["avg@k"]] + [a["avg@k"] for a in after.values()]
 errs = [before["avg@k_se"]] + [a["avg@k_se"] for a in after.values()]
-axes[3].bar(labels, [100 * a for a in accs], yerr=[100 * e for e in errs], color=["gray", "C0", "C1"][:len(accs)])
-axes[3].set_title(f"held-out avg@{before['samples']} (T={before['temperature']})")
-axes[3].set_ylim(0, 100)
-for ax in axes[:3]:
+axes[4].bar(range(len(accs)), [100 * a for a in accs], yerr=[100 * e for e in errs],
+            color=["gray"] + [f"C{i}" for i in range(len(accs) - 1)], tick_label=labels)
+axes[4].tick_params(axis="x", labelrotation=20)
+axes[4].set_title(f"held-out avg@{before['samples']} (T={before['temperature']})")
+axes[4].set_ylim(0, 100)
+for ax in axes[:4]:
     ax.set_xlabel("RL step")
     ax.legend()
 fig.tight_layout()
@@ -95,7 +104,8 @@ for name, s in rows:
 last = {n: read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
 summary = "\n".join(table) + "\n\n" + "\n".join(
     f"- {n}: tool error ratio among positive trajectories, mean of the last {len(m)} RL steps: "
-    f"{sum(r['tool_err_pos'] for r in m) / len(m):.4f}" for n, m in last.items())
+    f"{sum(r['tool_err_pos'] for r in m) / len(m):.4f}; engine-vs-trainer mean |Δ log p| "
+    f"{sum(r.get('mismatch_abs_mean', 0.0) for r in m) / len(m):.2e}" for n, m in last.items())
 summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before['samples']} samples; " \
            f"wall time {(time.time() - t_start) / 60:.1f} min\n"
 open(f"{out}/summary.md", "w").write(summary)
