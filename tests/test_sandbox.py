@@ -12,6 +12,7 @@ import concurrent.futures
 import os
 import random
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -374,6 +375,22 @@ def test_view_keeps_symlinks_the_loader_follows(tmp_path):
     assert links == {str(tmp_path / "lib"): str(tmp_path / "real"), str(tmp_path / "real" / "libx.so.1"): "libx.so.1.2"}
     assert "libc.so.6" in sandbox_worker._elf_needed(os.path.realpath(sys.executable))
     assert sandbox_worker._elf_needed(__file__) == ()
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
+def test_pool_starts_from_a_checkout_under_tmp(tmp_path, isolation):
+    # CI and users may clone under /tmp, which is where the call's private /tmp goes: the directories
+    # around the bound files are fresh ones there, and the pool must still start and stay read-only
+    root = tmp_path / "checkout"
+    root.mkdir()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("sandbox.py", "sandbox_worker.py"):
+        (root / name).write_text(open(os.path.join(here, name)).read())
+    code = ("from sandbox import SandboxPool\n"
+            f"with SandboxPool(workers=1, isolation={isolation!r}) as p:\n"
+            "    print(p.map([('print(6 * 7)', '')])[0].stdout, end='')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "42", out.stderr[-2000:]
 
 
 def test_worker_killed_mid_call_is_replaced(pool):

@@ -293,7 +293,7 @@ def test_big_step_renders_lazily(browser, tmp_path):
 
 
 def test_eval_page(sft, tmp_path, browser):  # noqa: F811
-    run("eval.py", "configs/tiny_eval.py", f"--model={sft}/sft", f"--data={sft}/data/rl.jsonl",
+    run("eval.py", "configs/tiny_eval.py", f"--model_path={sft}/sft", f"--data_path={sft}/data/rl.jsonl",
         f"--out_dir={tmp_path}/ev", "--samples=2", "--limit=3", "--max_response_tokens=96", "--tool_workers=1")
     recs = view.read_records(str(tmp_path / "ev" / "trajectories.jsonl"))
     assert [(r["group"], r["sample"]) for r in recs] == [(g, s) for g in range(3) for s in range(2)]
