@@ -137,16 +137,20 @@ def test_generation_markers_mark_the_same_tokens(tiny):
 
 def test_chat_path_reproduces_the_rstar2_rollout_tokens(tiny):
     # an rStar2 trace declared as "chat" with the python tool, through the tiny tokenizer's own template (the
-    # released layout), gives agent.render_conversation's ids and mask: prefix rendering finds the same
-    # spans as the rollout's own bookkeeping, <reason> (forced by the generation prompt) included
+    # released layout), trains agent.render_conversation's tokens: prefix rendering finds the same spans as
+    # the rollout's own bookkeeping, <reason> (forced by the generation prompt) included
     tok = tokenizer(tiny)
     for line in open(tiny / "data" / "sft.jsonl"):
         messages = json.loads(line)["messages"]
         tools = [agent.TOOL_SCHEMA]
         ids, mask = train_sft.render_chat(tok, train_sft.check_chat(messages, tools), tools)
         want_ids, want_mask = agent.render_conversation(tok, messages)
-        assert tok.decode(ids[len(want_ids):]) == "\n"  # the template's newline after the last <|im_end|>
-        assert (ids[:len(want_ids)], mask[:len(want_ids)]) == (want_ids, want_mask)
+        # the same text, but for the template's newline after each <|im_end|>: the release's tool turn starts
+        # right after the model's <|im_end|> (see agent.py), and the template ends with one more newline
+        glue = "<|im_end|><|im_start|>user"
+        assert tok.decode(ids) == tok.decode(want_ids).replace(glue, "<|im_end|>\n<|im_start|>user") + "\n"
+        # and exactly the same tokens are trained
+        assert [i for i, m in zip(ids, mask) if m] == [i for i, m in zip(want_ids, want_mask) if m]
 
 
 def test_rstar2_files_render_and_order_as_before(tiny):
