@@ -1,5 +1,7 @@
 """The rollout engine against transformers' greedy decoding, its tool loop, KV limits and seeding."""
 import concurrent.futures
+import json
+import os
 import threading
 import types
 
@@ -196,3 +198,18 @@ def test_cache_rows_too_long_are_refused(tiny):
     with pytest.raises(ValueError, match="does not fit"):
         engine.generate([list(range(5, 70))], 4)
     assert isinstance(engine.cache, KVCache)
+
+
+def test_tokens_as_recorded_before_paging(tiny):
+    """the engine as it was before the paged KV cache, recorded on this tiny model at temperature 1
+    (tests/fixtures/engine_tokens_before_paging.json): with a pool that never runs out, the same seeds
+    give the same tokens"""
+    path, tok, _ = tiny
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "engine_tokens_before_paging.json")) as f:
+        recorded = json.load(f)
+    model = load_model(path)
+    for name, top_p, seed in (("t1_top_p_0.9", 0.9, 7), ("t1", 1.0, 11)):
+        reqs = [Request(prompts_of(tok, 6)[i // 4], key=(3, i // 4, i % 4)) for i in range(24)]
+        engine = Engine(model, tok, kv_capacity=5 * 128, max_len=128, temperature=1.0, top_p=top_p, seed=seed)
+        got = {repr(t.key): t.response_ids for t in engine.run(iter_claim(reqs), 40)}
+        assert got == recorded[name]
