@@ -509,8 +509,8 @@ if __name__ == "__main__":
         # can only measure our engine here, on a CPU, against this CPU's compute bound (a decode step
         # of a tiny model is compute-bound on a CPU, memory-bound on a GPU): the closest measured number
         # we have, so the table is printed with it; the simulator's own default (0.5) is a guess.
-        print(f"\n(c) scheduler.py --simulate --efficiency={efficiency:.3f}  (= our share of the compute bound "
+        print(f"\n(c) simulate.py --efficiency={efficiency:.3f}  (= our share of the compute bound "
               f"in (a), B={BATCHES[-1]}; the simulator's default 0.5 is an assumption)", flush=True)
-        subprocess.run([sys.executable, "scheduler.py", "--simulate", f"--efficiency={efficiency:.3f}"],
+        subprocess.run([sys.executable, "simulate.py", f"--efficiency={efficiency:.3f}"],
                        cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s | load average now {load():.2f}")

@@ -173,7 +173,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
         bar.set_postfix(acc=f"{right / done:.3f}", refresh=False)  # running accuracy of this rank
         bar.update(1)
 
-    trajs, _ = generate_all(engine, requests, budget, mode, on_finish)
+    trajs, _ = generate_all(engine, requests, budget, mode, on_finish, key="eval")
     bar.close()
     summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
     for row, p in zip(per_problem, problems):

@@ -168,7 +168,7 @@ while step < steps:
     cursor += prompts_per_step
     requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"]})
                 for b, (i, p) in enumerate(batch) for s in range(n_sample)]
-    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, on_finish)
+    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, on_finish, key=f"rl/{step}")
     t_rollout = time.perf_counter() - t0
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G

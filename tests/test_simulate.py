@@ -1,4 +1,4 @@
-"""Tests for the rollout-scheduling simulator in scheduler.py (`python scheduler.py --simulate`): the
+"""Tests for the rollout-scheduling simulator (`python simulate.py`): the
 invariants of both policies at small scale, the closed-form event jumps against a plain step-by-step
 loop written here, and the fitted length distribution against numpy samples."""
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduler import SIM_PARAMS, kv_capacity, lognormal_fit, sim_params, sim_workload, simulate
+from simulate import SIM_PARAMS, kv_capacity, lognormal_fit, sim_params, sim_workload, simulate
 
 pytestmark = pytest.mark.timeout(60)  # a simulator that stops making progress fails fast
 
