@@ -153,6 +153,7 @@ class Engine:
         self.stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         self.events = [] if log_events else None
         self.seq = itertools.count()  # admission order: who is preempted first, who is re-admitted first
+        self.hold = False  # True from a preemption until a row finishes: no admissions meanwhile
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "tool_wait_s": 0.0,
                       "preemptions": 0, "recomputed_tokens": 0}
 
@@ -179,6 +180,7 @@ class Engine:
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
         for slot in range(self.num_rows):  # a run that ended in an exception may have left pages behind
             self.cache.release(slot)
+        self.hold = False
         # a claim is sized so that requests with the longest prompt (max_len - budget) all fit the KV
         per_claim = self.cache.pages(min(max(self.max_len - budget, 1) + math.ceil(self.reserve * budget),
                                          self.max_len))
@@ -186,7 +188,7 @@ class Engine:
             # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
             # into the KV come first (and an empty engine always claims)
             n = min(len(free), max(self.headroom(rows.values()) // per_claim, 0 if rows else 1))
-            if not exhausted and n > 0 and not any(r.state == WAITING for r in rows.values()):
+            if not exhausted and n > 0 and not self.hold and not any(r.state == WAITING for r in rows.values()):
                 reqs = claim(n)
                 exhausted = not reqs
                 self.claimed(reqs, free, rows, budget)
@@ -219,6 +221,7 @@ class Engine:
                 self.stats["tool_wait_s"] += time.perf_counter() - t0
             # 6. free the rows that finished: their pages and their slot
             for row in [r for r in rows.values() if r.traj.finish]:
+                self.hold = False
                 del rows[row.slot]
                 self.cache.release(row.slot)
                 free.append(row.slot)
@@ -261,6 +264,8 @@ class Engine:
         other samples of that prompt then share."""
         room = self.headroom(rows.values())
         running = any(int(self.cache.lengths[r.slot]) > 0 for r in rows.values())
+        if self.hold and running:  # a row admitted now could only push out the row just preempted
+            return []
         todo = []
         for row in sorted(waiting, key=lambda r: r.seq):
             fresh = not row.traj.response_ids
@@ -308,6 +313,7 @@ class Engine:
             self.cache.release(row.slot)
             row.pending = row.traj.prompt_ids + row.traj.response_ids
             row.dropped += n
+            self.hold = True
             self.stats["preemptions"] += 1
             self.log("preempt", row, tokens=n)
         if row.state == DECODE:

@@ -48,6 +48,8 @@ SIM_PARAMS = {  # key: (default, source). printed with every result; never tuned
                                   "is activations, graphs, runtime"),
     "kv_tokens": (0, "KV tokens per engine; 0 = (mem_fraction_static * hbm_bytes - weights) / "
                      "kv_bytes_per_token"),
+    "reserve": (0.5, "rollout.Engine's default (README: why): paged admits a rollout while the KV not yet "
+                     "promised holds prompt + reserve x budget"),
     "static_sync_tools": (True, "paper §3.2: the static baseline runs each turn's tool calls as one "
                                 "synchronous batch per engine"),
 }
@@ -168,11 +170,19 @@ def simulate(policy, params=None, seed=0):
     The engine blocks while it prefills; one decode step gives every decoding row one token.
 
     Policies (the request list is prompt-major, as train_rl.py builds it):
-      dynamic  (make_claim "dynamic" + rollout.Engine): one shared queue; an engine claims the next request
-               only while its free KV holds that rollout's reservation (prompt + budget), so it never
-               overflows; samples of one prompt claimed together share one prefill; a finished rollout
-               frees its reservation and the engine claims again at once; a turn's tool call runs while
-               the other rows keep decoding.
+      dynamic  (scheduler.make_claim "dynamic" + rollout.Engine with reserve=1): one shared queue; an engine
+               claims the next request only while its free KV holds that rollout's reservation (prompt +
+               budget), so it never overflows; samples of one prompt claimed together share one prefill; a
+               finished rollout frees its reservation and the engine claims again at once; a turn's tool
+               call runs while the other rows keep decoding.
+      paged    (the same with rollout.Engine's paged KV cache, reserve < 1): an engine claims the next
+               request while the KV not yet promised to its rows holds prompt + reserve x budget (a row is
+               promised that much, or what it holds when more); when a decode step or a tool response does
+               not fit, it preempts one row at a time — a row parked on a tool call first, else the most
+               recently admitted — until it fits; a preempted row is re-admitted, before any new claim and
+               in admission order, once its context + reservation fits again (or nothing else is in the
+               KV) and a rollout has finished since the last preemption, by recomputing its whole context. (The engine also shares a prompt's pages among its
+               samples; the simulator counts each sample's prompt, which over-states KV use by ~5%.)
       static   (make_claim "static", the paper's verl v0.2 + SGLang baseline): request i goes to engine
                i % engines; all of them are launched at once. When a decode step or a tool response
                does not fit the KV, half of the rows in the KV are evicted and re-queued: rows parked
@@ -188,8 +198,8 @@ def simulate(policy, params=None, seed=0):
     has a closed form (an arithmetic series) and the engine jumps k steps at once. Engines advance in
     order of their clocks through one heap, so claims from the shared queue happen in time order.
     Deterministic for a given seed."""
-    if policy not in ("static", "dynamic"):
-        raise ValueError(f"unknown policy {policy!r} (static | dynamic)")
+    if policy not in ("static", "dynamic", "paged"):
+        raise ValueError(f"unknown policy {policy!r} (static | dynamic | paged)")
     p = sim_params(params)
     w = sim_workload(p, seed)
     plen, model, tool, lat = w["plen"], w["model"], w["tool"], w["lat"]
@@ -201,6 +211,8 @@ def simulate(policy, params=None, seed=0):
     per_ctx = p["kv_bytes_per_token"] / bw  # seconds per context token read in a step
     per_prefill = 2 * p["n_params"] / flops  # seconds per prefilled token
     static, sync = policy == "static", policy == "static" and p["static_sync_tools"]
+    paged = policy == "paged"
+    res = int(math.ceil(p["reserve"] * budget))  # paged: response tokens promised to a row at admission
 
     # per-rollout state
     ctx = np.zeros(n, dtype=np.int64)  # tokens in its context (in the KV when in_kv)
@@ -220,9 +232,12 @@ def simulate(policy, params=None, seed=0):
     may_admit = [True] * E  # static: False from an eviction until a rollout finishes
     stats = dict(evictions=0, evicted_rows=0, recomputed_tokens=0, prefill_tokens=0, generated_tokens=0,
                  decode_steps=0)
+    kv_use = [[] for _ in range(E)]  # per engine: (from, to, mean KV tokens in use) of each interval
+    queue_dry = [math.inf]  # when the shared queue ran out (dynamic, paged): the end of the steady phase
     next_req = 0  # dynamic: head of the shared queue
 
     def prefill(e, tokens):
+        kv_use[e].append((clock[e], clock[e] + tokens * per_prefill, used[e]))
         clock[e] += tokens * per_prefill
         busy[e] += tokens * per_prefill
         stats["prefill_tokens"] += int(tokens)
@@ -238,11 +253,28 @@ def simulate(policy, params=None, seed=0):
         stats["evicted_rows"] += len(victims)
         may_admit[e] = False
 
+    def promised(rows):  # paged: KV promised to the rows in the KV beyond what they hold
+        held = rows[in_kv[rows]]
+        return int(np.maximum(plen[held] + res - ctx[held], 0).sum())
+
+    def preempt(e, rows):  # paged: one row, parked ones first, then the most recently admitted
+        held = rows[in_kv[rows]]
+        parked = held[phase[held] != DECODE]
+        i = int((parked if len(parked) else held).max())  # request order is admission order
+        in_kv[i] = False
+        used[e] -= ctx[i]
+        if phase[i] == DECODE:  # a parked row re-queues when its answer is back
+            waiting[e].append(i)
+        stats["evictions"] += 1
+        stats["evicted_rows"] += 1
+        may_admit[e] = False  # until a rollout finishes: else the row could come back only to be preempted
+        return i
+
     def finish(e, i):
         if in_kv[i]:
             used[e] -= ctx[i]
         in_kv[i], phase[i] = False, DONE
-        if not static:
+        if policy == "dynamic":
             reserved[e] -= plen[i] + budget
         completions[i] += 1
         may_admit[e] = True
@@ -260,6 +292,9 @@ def simulate(policy, params=None, seed=0):
             r = tool[i, turn[i]]
             while static and in_kv[i] and used[e] + r > cap:  # the answer does not fit: make room
                 evict(e)
+            while paged and in_kv[i] and used[e] + r > cap:
+                if preempt(e, rows) == i:
+                    break
             ctx[i] += r
             turn[i] += 1
             left[i], phase[i] = model[i, turn[i]], DECODE
@@ -269,11 +304,40 @@ def simulate(policy, params=None, seed=0):
             else:
                 waiting[e].append(int(i))
         # 2. admit work
-        if not static:  # claim from the shared queue while the next reservation fits
+        if paged and (may_admit[e] or not in_kv[rows].any()):
+            # preempted rows first, in admission order, then claims; all while the unpromised KV fits
+            avail = cap - used[e] - promised(rows)
+            waiting[e].sort()
+            while waiting[e]:
+                i = waiting[e][0]
+                need = max(ctx[i], plen[i] + res)
+                if need > avail and in_kv[rows].any():
+                    break
+                waiting[e].pop(0)
+                in_kv[i] = True
+                used[e] += ctx[i]
+                avail -= need
+                stats["recomputed_tokens"] += int(ctx[i])
+                prefill(e, ctx[i])
+            first = -1
+            while not waiting[e] and next_req < n and (plen[next_req] + res <= avail or not in_kv[rows].any()):
+                i, next_req = next_req, next_req + 1
+                in_kv[i], ctx[i] = True, plen[i]
+                used[e] += plen[i]
+                avail -= plen[i] + res
+                rows = np.append(rows, i)
+                if first < 0 or pid[first] != pid[i]:
+                    prefill(e, plen[i])
+                    first = i
+                if next_req == n:
+                    queue_dry[0] = clock[e]
+        elif policy == "dynamic":  # claim from the shared queue while the next reservation fits
             first = -1
             while next_req < n and reserved[e] + plen[next_req] + budget <= cap:
                 i, next_req = next_req, next_req + 1
                 reserved[e] += plen[i] + budget
+                if next_req == n:
+                    queue_dry[0] = clock[e]
                 in_kv[i], ctx[i] = True, plen[i]
                 used[e] += plen[i]
                 rows = np.append(rows, i)
@@ -302,10 +366,10 @@ def simulate(policy, params=None, seed=0):
         if len(dec):
             B, C0 = len(dec), int(ctx[dec].sum())
             k = int(left[dec].min())  # steps until the first row ends its turn
-            if static:
+            if static or paged:
                 room = (cap - used[e]) // B
                 if room == 0:  # the next step does not fit the KV
-                    evict(e)
+                    evict(e) if static else preempt(e, rows)
                     mine[e] = rows
                     return clock[e]
                 k = min(k, int(room))
@@ -318,6 +382,7 @@ def simulate(policy, params=None, seed=0):
                 else:
                     k = 1
             spent = k * a + b * k * (k - 1) / 2
+            kv_use[e].append((clock[e], clock[e] + spent, used[e] + B * (k - 1) / 2))
             clock[e] += spent
             busy[e] += spent
             ctx[dec] += k
@@ -335,6 +400,7 @@ def simulate(policy, params=None, seed=0):
                 else:
                     phase[i], t_ret[i] = TOOL, clock[e] + lat[i, turn[i]]
         elif len(pending):  # every row in the KV waits on a tool: idle until the first answer
+            kv_use[e].append((clock[e], max(clock[e], pending.min()), used[e]))
             clock[e] = max(clock[e], pending.min())
         elif (phase[rows] == BARRIER).any():
             if waiting[e]:  # rollouts still to finish the turn do not fit: make room
@@ -359,7 +425,13 @@ def simulate(policy, params=None, seed=0):
             heapq.heappush(heap, (t, e))
 
     makespan = float(done_at.max())
+    # the steady phase: until the shared queue runs dry, or the first engine is done when that is earlier
+    # (static; or a queue claimed whole at once); the mean share of the KV in use over it, over engines
+    t_end = min(queue_dry[0] or math.inf, float(done_at.min()))
+    steady = [sum(u * (min(b, t_end) - a) for a, b, u in segs if a < t_end) / (cap * max(t_end, 1e-9))
+              for segs in kv_use]
     return dict(policy=policy, makespan_s=makespan, idle_pct=float(100 * np.mean(1 - busy / makespan)),
+                steady_kv_pct=float(100 * np.mean(steady)), steady_s=t_end,
                 mean_batch=stats["generated_tokens"] / max(stats["decode_steps"], 1),
                 kv_tokens=cap, peak_kv_tokens=int(peak.max()), completions=completions,
                 planned_tokens=int(model.sum()), resp_mu=w["mu"], resp_sigma=w["sigma"],
@@ -406,18 +478,19 @@ if __name__ == "__main__":
     ]
     print(f"\n{p['engines']} engines x {p['prompts']} prompts x {p['samples']} samples, seed {seed}. idle % = "
           f"share of the makespan an engine has nothing to decode or prefill (its rows all wait on tools, "
-          f"or it is done while others work), averaged over engines.")
+          f"or it is done while others work), averaged over engines. steady KV % = mean share of the KV in use "
+          f"until the shared queue runs dry (or the first engine is done). paged: reserve {p['reserve']:g}.")
     head = (f"{'scenario':<28} {'policy':<8} {'makespan s':>10} {'speedup':>7} {'idle %':>6} {'evictions':>9} "
-            f"{'evicted rows':>12} {'recomputed tok':>14} {'mean batch':>10} {'peak KV %':>9}")
+            f"{'evicted rows':>12} {'recomputed tok':>14} {'mean batch':>10} {'peak KV %':>9} {'steady KV %':>11}")
     print(head + "\n" + "-" * len(head))
     for name, over in scenarios:
-        res = {pol: simulate(pol, {**p, **over}, seed) for pol in ("static", "dynamic")}
+        res = {pol: simulate(pol, {**p, **over}, seed) for pol in ("static", "dynamic", "paged")}
         for pol, r in res.items():
             speedup = res["static"]["makespan_s"] / r["makespan_s"]
             kv_pct = 100 * r["peak_kv_tokens"] / r["kv_tokens"]
             print(f"{name if pol == 'static' else '':<28} {pol:<8} {r['makespan_s']:>10.1f} {speedup:>6.2f}x "
                   f"{r['idle_pct']:>6.1f} {r['evictions']:>9,} {r['evicted_rows']:>12,} "
-                  f"{r['recomputed_tokens']:>14,} {r['mean_batch']:>10.1f} {kv_pct:>9.1f}")
+                  f"{r['recomputed_tokens']:>14,} {r['mean_batch']:>10.1f} {kv_pct:>9.1f} {r['steady_kv_pct']:>11.1f}")
         r = res["dynamic"]
         print(f"{'':<28} workload: lognormal mu {r['resp_mu']:.3f} sigma {r['resp_sigma']:.3f}, response mean "
               f"{r['resp_tokens_mean']:.0f} tokens, {r['truncated_frac']:.1%} cut by the budget, "
