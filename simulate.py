@@ -427,7 +427,8 @@ def simulate(policy, params=None, seed=0):
     makespan = float(done_at.max())
     # the steady phase: until the shared queue runs dry, or the first engine is done when that is earlier
     # (static; or a queue claimed whole at once); the mean share of the KV in use over it, over engines
-    t_end = min(queue_dry[0] or math.inf, float(done_at.min()))
+    worked = done_at[done_at > 0]  # an engine can end up with no work when others claimed it all at once
+    t_end = min(queue_dry[0] or math.inf, float(worked.min()) if len(worked) else 0.0)
     steady = [sum(u * (min(b, t_end) - a) for a, b, u in segs if a < t_end) / (cap * max(t_end, 1e-9))
               for segs in kv_use]
     return dict(policy=policy, makespan_s=makespan, idle_pct=float(100 * np.mean(1 - busy / makespan)),
