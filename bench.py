@@ -587,7 +587,8 @@ if __name__ == "__main__":
             print_multi_turn(r)
             print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
         if "k" in args.sections:
-            print(f"\n(k) the paged engine (reserve {inspect.signature(Engine).parameters['reserve'].default}, over-commit + preemption) vs "
+            reserve = inspect.signature(Engine).parameters["reserve"].default
+            print(f"\n(k) the paged engine (reserve {reserve}, over-commit + preemption) vs "
                   f"the full-reservation engine (reserve 1.0), on (l)'s and (b)'s workloads, greedy; rows: the most "
                   f"at once; KV memory in whole reservations (max_len tokens)")
             print_paging(paging(ours, tok, prompts, BATCHES[-1], args.reps))

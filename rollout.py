@@ -253,8 +253,8 @@ class Engine:
             n = len(req.prompt_ids)
             if n + 1 > self.max_len:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
-            row = Row(req, free.pop(), row_generator(self.seed, req.key, self.device), min(budget, self.max_len - n),
-                      seq=next(self.seq))
+            gen = row_generator(self.seed, req.key, self.device)
+            row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.seq))
             rows[row.slot] = row
             self.log("admit", row, slot=row.slot)
 

@@ -181,8 +181,9 @@ def simulate(policy, params=None, seed=0):
                not fit, it preempts one row at a time — a row parked on a tool call first, else the most
                recently admitted — until it fits; a preempted row is re-admitted, before any new claim and
                in admission order, once its context + reservation fits again (or nothing else is in the
-               KV) and a rollout has finished since the last preemption, by recomputing its whole context. (The engine also shares a prompt's pages among its
-               samples; the simulator counts each sample's prompt, which over-states KV use by ~5%.)
+               KV) and a rollout has finished since the last preemption, by recomputing its whole
+               context. (The engine also shares a prompt's pages among its samples; the simulator counts
+               each sample's prompt, over-stating KV use by up to a prompt, 200-400 tokens, per rollout.)
       static   (make_claim "static", the paper's verl v0.2 + SGLang baseline): request i goes to engine
                i % engines; all of them are launched at once. When a decode step or a tool response
                does not fit the KV, half of the rows in the KV are evicted and re-queued: rows parked
