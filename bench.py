@@ -443,10 +443,10 @@ def paging(ours, tok, prompts, B, reps):
         for mem in (rows, rows // 2):
             for kind, reserve in (("full", 1.0), ("paged", None)):
                 model = StopAt(ours, force_l, P) if name == "l" else Forced(ours, force_b, tok)
-                kw = dict(reserve=reserve) if reserve else {}
+                # full: the engine before paging, mem rows of max_len; paged: up to `rows` rows in that memory
+                kw = dict(reserve=reserve, max_rows=mem) if reserve else dict(max_rows=rows)
                 engines[(mem, kind)] = Engine(model, tok, kv_capacity=mem * max_len, max_len=max_len,
-                                              temperature=0.0, tools=tools if name == "b" else None,
-                                              max_rows=rows, **kw)
+                                              temperature=0.0, tools=tools if name == "b" else None, **kw)
 
         def run(engine, P=P, budget=budget):
             for k in engine.stats:

@@ -146,7 +146,9 @@ class Engine:
         param = next(model.parameters())
         self.device = param.device
         page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
-        num_pages = kv_capacity // page_size
+        # a whole row rounds up to whole pages: the pool gets that rounding for each of the
+        # kv_capacity // max_len rows, so reserve=1 admits exactly as many rows as whole-row slots would
+        num_pages = max(kv_capacity // page_size, kv_capacity // max_len * -(-max_len // page_size))
         self.num_rows = max_rows or min(num_pages, int(kv_capacity / (max(reserve, 1e-6) * max_len)))
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
         self.cache = KVCache(model.cfg, self.num_rows, max_len, self.device, param.dtype, num_pages, page_size)

@@ -327,3 +327,18 @@ def test_samples_of_a_prompt_hold_its_pages_once(tiny):
     # (8 private copies would hold 8 x 3 pages)
     assert seen[1] == (1, full + 8)
     assert engine.cache.free_pages() == engine.cache.num_pages
+
+
+def test_whole_budget_reservations_admit_as_many_rows_as_before(tiny):
+    """reserve=1 is the engine before paging: kv_capacity // max_len rows decode at once, whatever the
+    page size, and nothing is ever preempted"""
+    path, tok, _ = tiny
+    model = load_model(path)
+    for page_size in (16, 7):  # 7 does not divide max_len: whole rows round up to whole pages
+        engine = Engine(model, tok, kv_capacity=5 * 100, max_len=100, temperature=1.0, reserve=1.0,
+                        page_size=page_size)
+        engine.stop_ids = set()
+        reqs = [Request(prompts_of(tok, 5)[i % 5], key=(0, i, 0)) for i in range(10)]
+        engine.run(iter_claim(reqs), 20)
+        assert engine.num_rows == 5 and engine.stats["preemptions"] == 0
+        assert engine.stats["decode_steps"] == 2 * 19  # two rounds of 5 rows, each 20 tokens (the first sampled)
