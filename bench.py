@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import inspect
 import math
 import os
 import platform
@@ -221,29 +222,33 @@ def print_single_turn(res, square):
 
 class StopAt(torch.nn.Module):
     """Our model with each prompt's answer ending (<|im_end|>) exactly at its target length; before it
-    the stop tokens are masked out, the model's argmax decides the rest. To the engine, just a model."""
+    the stop tokens are masked out, the model's argmax decides the rest. To the engine, just a model.
+    A row's place is read from its whole context (prompt + answer so far), so a row that the engine
+    preempted and prefills again is forced exactly as before."""
 
-    def __init__(self, model, force_):
+    def __init__(self, model, force_, prompts):
         super().__init__()
         self.model, self.cfg, self.force_, self.at = model, model.cfg, force_, {}  # at: row -> [prompt, k]
+        self.prompts, self.plens = set(map(tuple, prompts)), sorted({len(p) for p in prompts})
 
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         slots = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
         n = [input_ids.shape[1]] * len(slots) if n_new is None else list(n_new)
         for b, r in enumerate(slots):
-            if cache.lengths[r] == 0:  # a new prompt in this row
-                self.at[r] = [tuple(input_ids[b, :n[b]].tolist()), 0]
+            if cache.lengths[r] == 0:  # a prompt, or a preempted row's whole context: find its prompt
+                ids = input_ids[b, :n[b]].tolist()
+                p = next(tuple(ids[:m]) for m in self.plens if tuple(ids[:m]) in self.prompts)
+                self.at[r] = [p, n[b] - len(p)]
             else:
-                self.at[r][1] += 1
+                self.at[r][1] += n[b]
         logits = self.model.forward_cached(input_ids, cache, rows, last_only, n_new)
         self.force_(logits[:, -1], [self.at[r][0] for r in slots], [self.at[r][1] for r in slots])
         return logits
 
 
-def varied_lengths(ours, hf, tok, prompts, B, reps):
-    """len(prompts) answers whose lengths are long-tailed (lognormal, mean ~64 tokens, at most 256):
-    transformers: `generate` on batches of B prompts, each batch running until its longest answer ends;
-    ours: Engine.generate with B rows, a finished row taking the next prompt at once."""
+def long_tail(tok, prompts):
+    """(l)'s workload: answer lengths (lognormal, mean ~64 tokens, at most 256, seeded) and force_(scores,
+    prompts, ks) that ends the answer to each prompt at its length"""
     g = torch.Generator().manual_seed(0)
     lengths = (torch.empty(len(prompts)).log_normal_(3.8, 0.8, generator=g).clamp(4, 256)).long().tolist()
     target = {tuple(p): n for p, n in zip(prompts, lengths)}
@@ -256,8 +261,17 @@ def varied_lengths(ours, hf, tok, prompts, B, reps):
                 scores[b] = float("-inf")
                 scores[b, stop[0]] = 0.0
         return scores
+    return lengths, force_
+
+
+def varied_lengths(ours, hf, tok, prompts, B, reps):
+    """len(prompts) answers whose lengths are long-tailed (lognormal, mean ~64 tokens, at most 256):
+    transformers: `generate` on batches of B prompts, each batch running until its longest answer ends;
+    ours: Engine.generate with B rows, a finished row taking the next prompt at once."""
+    lengths, force_ = long_tail(tok, prompts)
+    stop = torch.tensor(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     L = max(map(len, prompts))
-    engine = Engine(StopAt(ours, force_), tok, kv_capacity=B * (L + 257), max_len=L + 257)
+    engine = Engine(StopAt(ours, force_, prompts), tok, kv_capacity=B * (L + 257), max_len=L + 257, max_rows=B)
 
     def run_ours():
         engine.stats["decode_steps"] = 0
@@ -327,20 +341,27 @@ def forcing(tok, turn_len):
 
 class Forced(torch.nn.Module):
     """Our model with forced turn boundaries; to the engine it is just a model. Each row's next token is
-    token k of turn t: a prefill from an empty row starts turn 0, every later prefill (a tool response
-    resumed into the row) starts the next turn, every decode step is the next token of the turn."""
+    token k of assistant turn t, read from the row's context: t counts the <|im_start|> tokens (3 in the
+    prompt, 2 more per tool response), k the tokens since the last <|im_start|>assistant\n<reason>. So
+    a row the engine preempted and prefills again is forced exactly as before."""
 
-    def __init__(self, model, force_):
+    def __init__(self, model, force_, tok):
         super().__init__()
         self.model, self.cfg, self.force_, self.at = model, model.cfg, force_, {}  # at: row -> [turn, k]
+        self.start = tok.convert_tokens_to_ids("<|im_start|>")
+        self.gp = len(tok.encode(agent.GENERATION_PROMPT, add_special_tokens=False))
 
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         slots = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else rows.tolist()
-        for r in slots:
-            if cache.lengths[r] == 0:
-                self.at[r] = [0, 0]
-            elif n_new is not None or input_ids.shape[1] > 1:  # a prefill: a tool response
-                self.at[r] = [self.at[r][0] + 1, 0]
+        n = [input_ids.shape[1]] * len(slots) if n_new is None else list(n_new)
+        for b, r in enumerate(slots):
+            if cache.lengths[r] == 0 or n[b] > 1:  # a prompt, a tool response, or a recomputed context
+                ids = input_ids[b, :n[b]].tolist()
+                starts = [i for i, t in enumerate(ids) if t == self.start]
+                if cache.lengths[r] == 0:
+                    self.at[r] = [(len(starts) - 3) // 2, len(ids) - starts[-1] - self.gp]
+                else:  # a tool response: the next turn begins after it
+                    self.at[r] = [self.at[r][0] + 1, len(ids) - starts[-1] - self.gp]
             else:
                 self.at[r][1] += 1
         logits = self.model.forward_cached(input_ids, cache, rows, last_only, n_new)  # (B, T, V)
@@ -348,17 +369,22 @@ class Forced(torch.nn.Module):
         return logits
 
 
-def multi_turn(ours, hf, tok, prompts, B, turn_len, reps):
-    P = prompts[:B]
-    force_ = forcing(tok, turn_len)
-    suffix = agent.tool_suffix_ids(tok, [agent.tool_response_text(RESULT)])  # what the engine appends
+def turns_workload(tok, turn_len):
+    """(b)'s workload: the forcing, tools that answer at once (we time the model side), the tool-response
+    tokens the engine appends, and the budget of 3 turns with 2 tool responses"""
+    suffix = agent.tool_suffix_ids(tok, [agent.tool_response_text(RESULT)])
     done = concurrent.futures.Future()
     done.set_result(RESULT)
-    tools = types.SimpleNamespace(submit=lambda code, stdin: done)  # answers at once: we time the model side
-    budget = 3 * turn_len + 2 * len(suffix) + 1
+    tools = types.SimpleNamespace(submit=lambda code, stdin: done)
+    return forcing(tok, turn_len), tools, suffix, 3 * turn_len + 2 * len(suffix) + 1
+
+
+def multi_turn(ours, hf, tok, prompts, B, turn_len, reps):
+    P = prompts[:B]
+    force_, tools, suffix, budget = turns_workload(tok, turn_len)
     max_len = max(map(len, P)) + budget + 1
-    engine = Engine(Forced(ours, force_), tok, kv_capacity=B * max_len, max_len=max_len, temperature=0.0,
-                    tools=tools)
+    engine = Engine(Forced(ours, force_, tok), tok, kv_capacity=B * max_len, max_len=max_len, temperature=0.0,
+                    tools=tools, max_rows=B)
 
     def run_ours():
         engine.stats["prefill_tokens"] = 0
@@ -405,6 +431,64 @@ def print_multi_turn(r):
           f"if time were proportional to tokens through the model: x{bound:.2f} | prompts "
           f"{min(r['plen'])}-{max(r['plen'])}, turns {TURN_LEN}, tool responses {r['R']} tokens | "
           f"{r['rounds']} rounds | load {r['load']:.2f}")
+
+
+# -----------------------------------------------------------------------------
+# (k) the paged KV cache: over-commit and preemption against whole-budget reservations
+
+def paging(ours, tok, prompts, B, reps):
+    """(l)'s and (b)'s workloads on four engines over the same model, timed interleaved: the paged engine
+    (default reserve, at most B rows) and the full-reservation engine (reserve=1: every row is promised
+    its whole budget, the admission rule before paging), each with the memory of B whole reservations
+    and of B/2. All four must give the same tokens."""
+    res = []
+    lengths, force_l = long_tail(tok, prompts[:3 * B])
+    force_b, tools, _, budget_b = turns_workload(tok, TURN_LEN)
+    P_l, P_b = prompts[:3 * B], prompts[:MT_BATCH]
+    for name, P, budget in (("l", P_l, 256), ("b", P_b, budget_b)):
+        rows = B if name == "l" else MT_BATCH
+        max_len = max(map(len, P)) + budget + 1
+        engines = {}
+        for mem in (rows, rows // 2):
+            for kind, reserve in (("full", 1.0), ("paged", None)):
+                model = StopAt(ours, force_l, P) if name == "l" else Forced(ours, force_b, tok)
+                # full: the engine before paging, mem rows of max_len; paged: up to `rows` rows in that memory
+                kw = dict(reserve=reserve, max_rows=mem) if reserve else dict(max_rows=rows)
+                engines[(mem, kind)] = Engine(model, tok, kv_capacity=mem * max_len, max_len=max_len,
+                                              temperature=0.0, tools=tools if name == "b" else None, **kw)
+
+        def run(engine, P=P, budget=budget):
+            for k in engine.stats:
+                engine.stats[k] = 0
+            trajs = engine.run(iter_claim([Request(p, key=(0, i, 0)) for i, p in enumerate(P)]), budget)
+            return {t.key: t.response_ids for t in trajs}
+        outs = {k: run(e) for k, e in engines.items()}  # warm-up, and the check that all agree
+        same = all(o == outs[(rows, "full")] for o in outs.values())
+        stats = {k: dict(e.stats) for k, e in engines.items()}
+        times, n = medians([lambda e=e: run(e) for e in engines.values()], reps)
+        tokens = sum(len(o) for o in outs[(rows, "full")].values())
+        res.append(dict(name=name, rows=rows, max_len=max_len, same=same, rounds=n, tokens=tokens,
+                        times=dict(zip(engines, times)), stats=stats,
+                        num_rows={k: e.num_rows for k, e in engines.items()}, load=load()))
+    return res
+
+
+def print_paging(res):
+    for r in res:
+        print(f"({r['name']}) {r['tokens']:,} response tokens, max_len {r['max_len']}")
+        print(f"{'KV memory':<22} {'engine':<6} {'rows':>4} {'s/run':>7} {'tok/s':>6} {'decode steps':>12} "
+              f"{'preemptions':>11} {'recomputed':>10} {'paged / full':>12}")
+        for mem in (r["rows"], r["rows"] // 2):
+            for kind in ("full", "paged"):
+                t, s = r["times"][(mem, kind)], r["stats"][(mem, kind)]
+                ratio = r["times"][(mem, "full")] / t if kind == "paged" else ""
+                print(f"{f'{mem} x max_len tokens':<22} {kind:<6} {r['num_rows'][(mem, kind)]:>4} {t:>7.3f} "
+                      f"{r['tokens'] / t:>6.0f} {s['decode_steps']:>12,} {s['preemptions']:>11,} "
+                      f"{s['recomputed_tokens']:>10,} {'x%.2f' % ratio if ratio else '':>12}")
+        same_rows = r["times"][(r["rows"], "full")] / r["times"][(r["rows"], "paged")]
+        half = r["times"][(r["rows"] // 2, "full")] / r["times"][(r["rows"] // 2, "paged")]
+        print(f"goals: same rows >= x0.95: x{same_rows:.2f} | half the memory >= x1.30: x{half:.2f} | same tokens "
+              f"in all four: {r['same']} | {r['rounds']} rounds | load {r['load']:.2f}")
 
 
 # -----------------------------------------------------------------------------
@@ -571,8 +655,8 @@ def sandbox_bench(isolation, timeout=4.0):
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
-    ap.add_argument("sections", nargs="*", default=["a", "l", "b", "c"],
-                    help="a l b c p (default: a l b c), or sandbox alone")
+    ap.add_argument("sections", nargs="*", default=["a", "l", "b", "k", "c"],
+                    help="a l b k c p (default: a l b k c), or sandbox alone")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 unless the cores are idle)")
     ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
     ap.add_argument("--efficiency", type=float, default=None,
@@ -581,9 +665,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
-    unknown = set(args.sections) - set("albcp")
+    unknown = set(args.sections) - set("albkcp")
     if unknown:
-        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b c p")
+        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b k c p")
     if args.threads < 1 or args.reps < 1:
         ap.error("--threads and --reps must be >= 1")
     torch.set_num_threads(args.threads)
@@ -630,6 +714,12 @@ if __name__ == "__main__":
             r = multi_turn(ours, hf, tok, prompts, MT_BATCH, TURN_LEN, args.reps)
             print_multi_turn(r)
             print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
+        if "k" in args.sections:
+            reserve = inspect.signature(Engine).parameters["reserve"].default
+            print(f"\n(k) the paged engine (reserve {reserve}, over-commit + preemption) vs "
+                  f"the full-reservation engine (reserve 1.0), on (l)'s and (b)'s workloads, greedy; rows: the most "
+                  f"at once; KV memory in whole reservations (max_len tokens)")
+            print_paging(paging(ours, tok, prompts, BATCHES[-1], args.reps))
         if "p" in args.sections:
             print("\n(p) profile of our engine, (a)'s workload")
             profile(ours, tok, prompts, BATCHES[-1], 32)
@@ -638,8 +728,8 @@ if __name__ == "__main__":
         # can only measure our engine here, on a CPU, against this CPU's compute bound (a decode step
         # of a tiny model is compute-bound on a CPU, memory-bound on a GPU): the closest measured number
         # we have, so the table is printed with it; the simulator's own default (0.5) is a guess.
-        print(f"\n(c) scheduler.py --simulate --efficiency={efficiency:.3f}  (= our share of the compute bound "
+        print(f"\n(c) simulate.py --efficiency={efficiency:.3f}  (= our share of the compute bound "
               f"in (a), B={BATCHES[-1]}; the simulator's default 0.5 is an assumption)", flush=True)
-        subprocess.run([sys.executable, "scheduler.py", "--simulate", f"--efficiency={efficiency:.3f}"],
+        subprocess.run([sys.executable, "simulate.py", f"--efficiency={efficiency:.3f}"],
                        cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s | load average now {load():.2f}")

@@ -166,7 +166,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
         grader(traj)
         bar.update(1)
 
-    trajs, _ = generate_all(engine, requests, budget, mode, on_finish)
+    trajs, _ = generate_all(engine, requests, budget, mode, on_finish, key="eval")
     bar.close()
     grades = all_gather_dict(grader.results())
     for t in trajs:
@@ -264,7 +264,7 @@ if __name__ == "__main__":
     from configurator import configure
     from data import read_jsonl
     from model import load_model
-    from rollout import Engine, kv_rows, ToolRunner
+    from rollout import Engine, kv_rows
     from sandbox import SandboxPool
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
@@ -318,9 +318,8 @@ if __name__ == "__main__":
     rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
-    pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
     t0 = time.time()
-    with ToolRunner(pool) as tools:
+    with SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
                         max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)

@@ -6,14 +6,15 @@ The Qwen3 / Qwen2.5 decoder in plain torch, with the four things RL needs from a
 2. `token_logprobs(model, input_ids, targets, ...)` -> per-token log-probs (and entropy) without ever
    holding fp32 logits for the whole batch: the lm_head + log_softmax run chunk by chunk, each chunk
    checkpointed, so forward and backward hold one chunk of logits at a time.
-3. `model.forward_cached(input_ids, cache, rows)` -> logits, incremental decoding against a `KVCache`
-   where every row has its own length (continuous batching, prefix sharing with `copy_row`).
+3. `model.forward_cached(input_ids, cache, rows)` -> logits, incremental decoding against a paged
+   `KVCache` where every row has its own length and page table (continuous batching, prefix sharing).
 4. `load_model` / `save_model` / `shard_model` / `load_weights`: HF safetensors directories in and out
    (parameter names are HF's, so state dicts map 1:1 and transformers loads what we save), and FSDP2.
 
 Attention runs through flash-attn when it imports and the tensors are fp16/bf16 on a GPU (CUDA or
-ROCm): `flash_attn_varlen_func` for full forwards, `flash_attn_with_kvcache` for decoding. Otherwise
-torch SDPA with explicit boolean masks. The choice is made in `use_flash`, nowhere else.
+ROCm): `flash_attn_varlen_func` for full forwards, `flash_attn_with_kvcache` with a page table
+(`block_table`) for decoding. Otherwise torch SDPA with explicit boolean masks. The choice is made in
+`use_flash`, nowhere else.
 
 Loading a 14B model on many ranks without a full copy per rank:
     model = load_model(path, device="meta")         # shapes only, no memory
@@ -170,21 +171,19 @@ def attend(q, k, v, att, layer_idx):
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    kc, vc, rows = cache.k[layer_idx], cache.v[layer_idx], att["rows"]
+    kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # (num_pages, page_size, Hkv, hd): this layer's pool
+    # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
+    # in pages the row does not hold, which belong to other rows)
+    for c, z in ((kc, k), (vc, v)):
+        c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], z.reshape(B * T, *z.shape[2:])[att["real"]])
+    # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
+    # i.e. up to lengths + t; padding reads table entries of page 0 that only pad queries see
     if cache.flash:
-        # writes k/v into the cache at cache_seqlens in place; causal aligns query t to key lengths[b] + t
-        if isinstance(rows, slice):
-            return flash_attn_with_kvcache(q, kc[rows], vc[rows], k=k, v=v, cache_seqlens=att["seqlens"], causal=True)
-        return flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=att["seqlens"], cache_batch_idx=rows,
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
                                        causal=True)
-    b, pos, Lmax = torch.arange(B, device=q.device)[:, None], att["pos"], att["Lmax"]
-    if isinstance(rows, slice):
-        kc, vc = kc[rows], vc[rows]  # (B, Hkv, L, hd) views: nothing is copied
-        kc[b, :, pos], vc[b, :, pos] = k, v  # write the new tokens at their positions
-    else:
-        kc[rows[:, None], :, pos], vc[rows[:, None], :, pos] = k, v
-        kc, vc = kc[rows, :, :Lmax], vc[rows, :, :Lmax]  # gather (copies only B rows up to Lmax)
-    return sdpa(q.transpose(1, 2), kc[:, :, :Lmax], vc[:, :, :Lmax], att["mask"]).transpose(1, 2)
+    # SDPA: gather each row's pages into one (B, Hkv, Lk, hd) sequence (copies B rows up to Lk)
+    kg, vg = (c[att["table"]].flatten(1, 2)[:, :att["Lk"]].transpose(1, 2) for c in (kc, vc))
+    return sdpa(q.transpose(1, 2), kg, vg, att["mask"]).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -320,52 +319,56 @@ class Qwen(nn.Module):
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         """T new tokens for each of B cache rows -> logits (B, T, V), or (B, 1, V) with last_only.
 
-        rows: a slice of contiguous rows (fast path, views only) or a LongTensor (B,) of row indices.
+        rows: a slice of rows or a LongTensor (B,) of distinct row indices, in any order.
         Row b's tokens get positions lengths[b] + arange(T); afterwards lengths[rows] += T.
         n_new (B,) ints, for prefilling rows of different lengths in one forward: only the first
-        n_new[b] tokens of row b are real, the rest right padding (written past the row's length, so
-        never seen, and overwritten later); lengths[rows] += n_new, and last_only picks each row's
-        last real token. Every row still needs room for all T (lengths + T <= max_len).
+        n_new[b] tokens of row b are real, the rest right padding (never written to the cache, never
+        seen by a real token); lengths[rows] += n_new, and last_only picks each row's last real token.
+        Every row must already hold pages for its real tokens (KVCache.grow: the caller decides who gets
+        memory); the pool is never written outside a row's own pages.
         """
         B, T = input_ids.shape
         if isinstance(rows, slice):
-            n = len(range(*rows.indices(cache.num_rows)))
-            if n != B or rows.step not in (None, 1):
-                raise ValueError(f"rows {rows} select {n} rows (step {rows.step}); need {B} contiguous rows")
+            idx = range(*rows.indices(cache.num_rows))
+            if len(idx) != B or rows.step not in (None, 1):
+                raise ValueError(f"rows {rows} select {len(idx)} rows (step {rows.step}); need {B} contiguous rows")
+            rows = torch.arange(idx.start, idx.stop)
         else:
             rows = torch.as_tensor(rows, dtype=torch.long).cpu()
             if rows.shape != (B,) or rows.unique().numel() != B:
                 raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
-        if n_new is not None:
-            n_new = torch.as_tensor(n_new, dtype=torch.long).cpu()
-            if n_new.shape != (B,) or not (1 <= n_new.min() and n_new.max() <= T):
-                raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n_new.tolist()}")
-        if (lengths + T > cache.max_len).any():
-            b = int((lengths + T > cache.max_len).nonzero()[0])
-            raise ValueError(f"KV cache overflow: row {b} of this call holds {int(lengths[b])} tokens, "
-                             f"+{T} new exceeds max_len {cache.max_len}")
+        n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
+        if n.shape != (B,) or not (1 <= n.min() and n.max() <= T):
+            raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n.tolist()}")
+        held = cache.npages[rows] * cache.page_size  # (B,) token slots in each row's pages
+        if (lengths + n > held).any():
+            b = int((lengths + n > held).nonzero()[0])
+            raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens in "
+                             f"{int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more (max_len "
+                             f"{cache.max_len}): grow the row first")
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         if (cache.k.dtype, cache.k.device) != (x.dtype, x.device):
             raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
-        pos = (lengths[:, None] + torch.arange(T)).to(x.device)  # (B, T)
+        pos = lengths[:, None] + torch.arange(T)  # (B, T)
+        # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
+        Lk, ps = int((lengths + T).max()), cache.page_size
+        P = -(-Lk // ps)
+        table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
+        real = torch.arange(T) < n[:, None]  # (B, T)
+        slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
+        att = dict(cache=cache, slots=slots.to(x.device), real=real.flatten().nonzero()[:, 0].to(x.device))
         if cache.flash:
-            idx = rows if isinstance(rows, slice) else rows.to(x.device, torch.int32)
-            att = dict(cache=cache, rows=idx, seqlens=lengths.to(x.device, torch.int32))
+            att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         else:
-            Lmax = int((lengths + T).max())
-            mask = torch.arange(Lmax, device=x.device) <= pos[:, :, None]  # (B, T, Lmax): key j visible to new token t
-            idx = rows if isinstance(rows, slice) else rows.to(x.device)
-            att = dict(cache=cache, rows=idx, pos=pos, mask=mask, Lmax=Lmax)
-        cos, sin = rope_cos_sin(pos, self.cfg, x.dtype)
+            mask = torch.arange(Lk) <= pos[:, :, None]  # (B, T, Lk): key j visible to new token t
+            att.update(table=table.to(x.device), mask=mask.to(x.device), Lk=Lk)
+        cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
-        if n_new is None:
-            x = x[:, -1:] if last_only else x
-            cache.lengths[rows] += T
-        else:
-            x = x[torch.arange(B), n_new - 1][:, None] if last_only else x  # (B, 1, D): last real tokens
-            cache.lengths[rows] += n_new
+        if last_only:
+            x = x[torch.arange(B), n - 1][:, None]  # (B, 1, D): each row's last real token
+        cache.lengths[rows] += n
         x = self.model.norm(x)
         return F.linear(x, self.head_weight())  # (B, T or 1, V)
 
@@ -385,34 +388,84 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
 # KV cache for incremental decoding
 
 class KVCache:
-    """k/v for num_rows sequences of up to max_len tokens, each row with its own length.
+    """A paged KV cache: one pool of fixed-size pages shared by num_rows sequences of up to max_len tokens.
 
-    self.k[i] / self.v[i] is layer i's storage: (num_rows, n_kv_heads, max_len, head_dim) for SDPA, or
-    flash-attn's layout (num_rows, max_len, n_kv_heads, head_dim). Zero-filled, so never-written slots
-    are finite (masked keys still multiply their values by 0).
+    self.k[i] / self.v[i] is layer i's pool, (num_pages, page_size, n_kv_heads, head_dim): flash-attn's
+    paged layout, which the SDPA path reads too (it gathers a row's pages). Row r's pages, in order, are
+    table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at slot t % page_size.
+    A row takes pages as it grows (`grow`) and returns them when it is done (`release`); who gets memory
+    when the pool runs short is the caller's decision (rollout.Engine preempts). Pages are counted by
+    reference: the samples of one prompt hold the prompt's full pages together (`share`), and a row only
+    ever writes past its length, into pages it holds alone. Zero-filled, so never-written slots are
+    finite (masked keys still multiply their values by 0).
     """
 
-    def __init__(self, cfg, num_rows, max_len, device, dtype):
-        self.num_rows, self.max_len = num_rows, max_len
+    def __init__(self, cfg, num_rows, max_len, device, dtype, num_pages=None, page_size=16):
         self.flash = use_flash(device, dtype)
+        if self.flash and page_size % 256:  # flash_attn_with_kvcache's documented requirement
+            raise ValueError(f"flash-attn's paged KV cache needs page_size a multiple of 256, got {page_size}")
+        self.num_rows, self.max_len, self.page_size = num_rows, max_len, page_size
+        width = -(-max_len // page_size)  # pages of a full row
+        self.num_pages = num_rows * width if num_pages is None else num_pages
+        if self.num_pages < width:
+            raise ValueError(f"a pool of {self.num_pages} pages of {page_size} tokens cannot hold one row of "
+                             f"max_len {max_len}")
         L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        shape = (L, num_rows, max_len, Hkv, hd) if self.flash else (L, num_rows, Hkv, max_len, hd)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.zeros((L, self.num_pages, page_size, Hkv, hd), device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
+        self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
+        self.npages = torch.zeros(num_rows, dtype=torch.long)
+        self.refs = [0] * self.num_pages  # rows holding each page
+        self.free = list(range(self.num_pages))[::-1]  # pop() hands out the lowest page first
 
-    def copy_row(self, src: int, dst: int):
-        """dst becomes a copy of src's prefix (prefix sharing: sample several continuations of one prompt)"""
+    def pages(self, tokens):
+        return -(-tokens // self.page_size)
+
+    def pages_needed(self, row, tokens):
+        """free pages row must take to hold `tokens` tokens"""
+        return max(0, self.pages(tokens) - int(self.npages[row]))
+
+    def grow(self, row, tokens):
+        """give row enough pages for `tokens` tokens; an error when the pool has too few free pages"""
+        need = self.pages_needed(row, tokens)
+        if tokens > self.max_len or need > len(self.free):
+            raise RuntimeError(f"KV pool: row {row} needs {need} more pages for {tokens} tokens (max_len "
+                               f"{self.max_len}), {len(self.free)} of {self.num_pages} are free")
+        for _ in range(need):
+            page = self.free.pop()
+            self.refs[page] = 1
+            self.table[row, self.npages[row]] = page
+            self.npages[row] += 1
+
+    def share(self, src, dst):
+        """the empty row dst starts as a copy of src's tokens: src's full pages by reference, and a page of
+        its own holding a copy of src's last, partly filled one (copy on write, done at once: dst's next
+        token goes into that page)"""
+        if self.npages[dst]:
+            raise ValueError(f"share: row {dst} is not empty")
         n = int(self.lengths[src])
-        for buf in (self.k, self.v):
-            if self.flash:
-                buf[:, dst, :n] = buf[:, src, :n]
-            else:
-                buf[:, dst, :, :n] = buf[:, src, :, :n]
+        full = n // self.page_size
+        for page in self.table[src, :full].tolist():
+            self.refs[page] += 1
+        self.table[dst, :full] = self.table[src, :full]
+        self.npages[dst] = full
+        if n % self.page_size:
+            self.grow(dst, n)
+            a, b = self.table[src, full], self.table[dst, full]
+            self.k[:, b], self.v[:, b] = self.k[:, a], self.v[:, a]
         self.lengths[dst] = n
 
-    def reset_row(self, row: int):
-        self.lengths[row] = 0
+    def release(self, row):
+        """row gives its pages back (those no other row holds become free) and holds no tokens"""
+        for page in self.table[row, :self.npages[row]].tolist():
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                self.free.append(page)
+        self.table[row], self.npages[row], self.lengths[row] = 0, 0, 0
+
+    def free_pages(self) -> int:
+        return len(self.free)
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

@@ -1,40 +1,49 @@
 """
-The rollout engine: one per rank. A batched generator with a KV cache that runs multi-turn,
+The rollout engine: one per rank. A batched generator over a paged KV cache that runs multi-turn,
 tool-using trajectories with continuous batching, token-in/token-out.
 
-How one engine works (this is the paper's §3.2 idea in plain torch):
-- the KV cache has a fixed number of rows, each `max_len` = prompt + response budget tokens long, so
-  a row is exactly the reservation the paper's scheduler makes per rollout (prompt length + response
-  budget); capacity in tokens = rows × max_len and is never exceeded.
-- requests are claimed only while rows are free; a finished row frees its space at once and the next
-  request is prefilled into it while the other rows keep decoding (continuous batching).
-- samples of the same prompt share the prefill: it is computed once, then the KV row is copied.
-- the prefills of one step (newly admitted prompts, tool responses of resumed rows) run together,
-  right-padded, in forwards of up to `prefill_tokens` tokens: each forward reads all weights once,
-  so batching prefills matters as much as batching the decode steps.
+How one engine works (the paper's §3.2 idea, on the memory model of SGLang / vLLM, in plain torch):
+- the KV cache is one pool of fixed-size pages (model.KVCache); a row takes pages as it grows and
+  gives them back when it finishes. The samples of one prompt hold the prompt's pages once, by
+  reference (the prompt is prefilled once; each sample copies only the last, partly filled page).
+- admission by expected use: a claimed request enters the KV while the free pages, less what the
+  rows already running were promised, cover its prompt + `reserve` x its response budget. reserve=1
+  promises every row its whole budget, which is the old full-reservation engine: it never preempts.
+  With reserve < 1 the engine over-commits: more rows decode together, on the bet that most stop early.
+- preemption: when rows need pages and none are free, the engine preempts rows — first rows parked on
+  a tool call (they are not decoding anyway), then the most recently admitted (so the oldest rows keep
+  making progress and every row finishes) — frees their pages, and re-admits them later, before any new
+  request, by prefilling prompt + response so far. Token-in/token-out makes this exact, and a row
+  keeps its sampling generator, so its continuation is the same as an uninterrupted run's.
+- a finished row frees its pages and slot at once and the next request is prefilled into them while
+  the other rows keep decoding (continuous batching).
+- the prefills of one step (new prompts, tool responses, re-admitted rows) run together, right-padded,
+  in forwards of up to `prefill_tokens` tokens: each forward reads all weights once, so batching
+  prefills matters as much as batching the decode steps.
 - a row whose assistant turn ends (`<|im_end|>`) is parsed with agent.py; its tool calls go to the
   sandbox pool (running on a background thread) and the row is *parked* with its KV kept; other rows
   keep decoding. When the answers arrive, the tool-response tokens (+ the next
   `<|im_start|>assistant\\n<reason>`) are prefilled into the row and it resumes.
-- one response budget per trajectory counts model and tool tokens together (as the paper); finish
+- one response budget per trajectory counts model and tool tokens together (the released code's
+  rule; the paper does not say); finish
   reasons: `stop` (a turn without tool calls), `length` (budget), `max_turns`.
 - every row samples with its own torch.Generator seeded from (seed, step, prompt index, sample
-  index), so a rollout does not depend on which other rows share its batch.
+  index), so a rollout does not depend on which other rows share its batch, or on preemption.
 
 A trajectory is one list of token ids built by appending; nothing is ever re-rendered or
 re-tokenised. The loss mask is 1 exactly on the tokens the policy sampled.
 """
-import asyncio
 import concurrent.futures
 import hashlib
-import threading
+import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 import agent
-from model import KVCache
+from model import KVCache, use_flash
 
 
 @dataclass
@@ -58,16 +67,33 @@ class Trajectory:
     text: str = ""  # the decoded response, for the reward
 
 
-class Row:
-    """The per-row state machine of the engine (one cache row)."""
+WAITING, DECODE, TOOLS = "waiting", "decode", "tools"  # a row's states (see Row)
 
-    def __init__(self, req, slot, gen, budget):
-        self.req, self.slot, self.gen, self.budget = req, slot, gen, budget
+
+class Row:
+    """The per-row state machine of the engine (one slot of the KV cache):
+    waiting: not in the KV (claimed, or preempted); `pending` holds its whole context, to prefill
+    decode:  in the KV, sampling and decoding
+    tools:   parked on its tool calls (`calls`), in the KV unless preempted meanwhile"""
+
+    def __init__(self, req, slot, gen, budget, seq):
+        self.req, self.slot, self.gen, self.budget, self.seq = req, slot, gen, budget, seq
         self.traj = Trajectory(key=req.key, prompt_ids=list(req.prompt_ids), meta=req.meta)
+        self.state = WAITING
         self.turn_start = 0  # index in response_ids where the current assistant turn began
-        self.pending = []  # tokens already in the trajectory but not yet in the KV cache
+        self.pending = list(req.prompt_ids)  # tokens already in the trajectory but not yet in the KV cache
         self.logits = None  # (V,) logits to sample the next token from
-        self.calls = None  # while parked: list of (record, future or None)
+        self.calls = []  # while parked: list of (record, future or None)
+        self.dropped = 0  # tokens preemption took out of the KV, to be prefilled again
+
+
+@dataclass
+class Prefill:
+    """A work item of a prefill forward: new tokens for one row, and the rows that then start as
+    copies of it (samples of one prompt share its pages)."""
+    row: Row
+    ids: list
+    copies: list = field(default_factory=list)
 
 
 def row_generator(seed, key, device):
@@ -76,46 +102,36 @@ def row_generator(seed, key, device):
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-class ToolRunner:
-    """Runs an (unentered) async sandbox pool on a background event loop, so the synchronous decode
-    loop can submit tool calls and keep decoding while they run."""
-
-    def __init__(self, pool):
-        self.pool, self.loop = pool, asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(pool.__aenter__(), self.loop).result()
-
-    def submit(self, code, stdin):
-        return asyncio.run_coroutine_threadsafe(self.pool.run(code, stdin), self.loop)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.pool.__aexit__(None, None, None), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
-                 prefill_tokens=16384, log_events=False):
+                 prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None):
+        """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
+        share of a row's response budget promised to it at admission (1 = the whole budget, no
+        over-commit); max_rows: most rows at once (default: as many reservations of reserve x max_len as
+        the pool holds); page_size: tokens per page (flash-attn needs a multiple of 256; 16 elsewhere)."""
         self.model, self.tok, self.tools = model, tokenizer, tools
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
         self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
+        if not 0 <= reserve <= 1:
+            raise ValueError(f"reserve is a share of the response budget, in [0, 1]: got {reserve}")
+        self.reserve = reserve
         param = next(model.parameters())
-        self.device, self.num_rows = param.device, kv_capacity // max_len
+        self.device = param.device
+        page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
+        # a whole row rounds up to whole pages: the pool gets that rounding for each of the
+        # kv_capacity // max_len rows, so reserve=1 admits exactly as many rows as whole-row slots would
+        num_pages = max(kv_capacity // page_size, kv_capacity // max_len * -(-max_len // page_size))
+        self.num_rows = max_rows or min(num_pages, int(kv_capacity / (max(reserve, 1e-6) * max_len)))
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
-        self.cache = KVCache(model.cfg, self.num_rows, max_len, self.device, param.dtype)
+        self.cache = KVCache(model.cfg, self.num_rows, max_len, self.device, param.dtype, num_pages, page_size)
         self.stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         self.events = [] if log_events else None
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "tool_wait_s": 0.0}
+        self.seq = itertools.count()  # admission order: who is preempted first, who is re-admitted first
+        self.hold = False  # True from a preemption until a row finishes: no admissions meanwhile
+        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "tool_wait_s": 0.0,
+                      "preemptions": 0, "recomputed_tokens": 0}
 
     def log(self, kind, row, **info):
         if self.events is not None:
@@ -128,87 +144,168 @@ class Engine:
     def generate(self, prompts, max_new_tokens, temperature=0.0):
         """Plain completions, no tools: list of token-id lists in, list of generated id lists out."""
         reqs = [Request(list(p), key=(0, i, 0)) for i, p in enumerate(prompts)]
-        saved = self.temperature, self.tools
-        self.temperature, self.tools = temperature, None
-        try:
-            trajs = self.run(iter_claim(reqs), max_new_tokens)
-        finally:
-            self.temperature, self.tools = saved
+        trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=temperature, use_tools=False)
         return [t.response_ids for t in sorted(trajs, key=lambda t: t.key)]
 
     @torch.no_grad()
-    def run(self, claim, budget, on_finish=None):
-        """Generate until `claim(n_free)` has no more requests and every row has finished.
+    def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True):
+        """Generate until `claim(n)` has no more requests and every row has finished.
         claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories."""
+        temperature = self.temperature if temperature is None else temperature
+        tools = self.tools if use_tools else None
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
+        for slot in range(self.num_rows):  # a run that ended in an exception may have left pages behind
+            self.cache.release(slot)
+        self.hold = False
+        # a claim is sized so that requests with the longest prompt (max_len - budget) all fit the KV
+        per_claim = self.cache.pages(min(max(self.max_len - budget, 1) + math.ceil(self.reserve * budget),
+                                         self.max_len))
         while rows or not exhausted:
-            # 1. admit new requests into free rows, one prefill per distinct prompt
-            todo = []  # prefills: (row, new token ids, rows that then copy its KV)
-            if free and not exhausted:
-                reqs = claim(len(free))
+            # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
+            # into the KV come first (and an empty engine always claims)
+            n = min(len(free), max(self.headroom(rows.values()) // per_claim, 0 if rows else 1))
+            if not exhausted and n > 0 and not self.hold and not any(r.state == WAITING for r in rows.values()):
+                reqs = claim(n)
                 exhausted = not reqs
-                todo += self.admit(reqs, free, rows, budget)
-            # 2. resume parked rows whose tool answers have all arrived
-            for row in [r for r in rows.values() if r.calls is not None]:
+                self.claimed(reqs, free, rows, budget)
+            # 2. parked rows whose tool answers have all arrived get them appended
+            todo = []
+            for row in [r for r in rows.values() if r.state == TOOLS]:
                 if all(f is None or f.done() for _, f in row.calls):
                     todo += self.resume(row)
-            # 3. the prompts and tool responses of this step go through the model together
+            # 3. waiting rows enter the KV in admission order, while their reservation fits
+            todo += self.admit([r for r in rows.values() if r.state == WAITING], rows)
+            # 4. the prompts, tool responses and recomputed contexts of this step go through the model
+            # together, once they have pages (which may preempt rows)
+            todo = self.fit(todo, rows)
             if todo:
                 self.prefill(todo)
-            # 4. sample one token for every row that has logits, then one batched decode step
+            # 5. sample one token for every row that has logits, then one batched decode step
             ready = [r for r in rows.values() if r.logits is not None]
-            waiting = [f for r in rows.values() if r.calls for _, f in r.calls if f is not None]
+            futures = [f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f is not None]
             if ready:
-                for row, tok, lp in zip(ready, *self.sample(ready)):
-                    self.step_row(row, tok, lp)
-                going = sorted((r for r in ready if r.pending and r.calls is None and not r.traj.finish),
-                               key=lambda r: r.slot)
+                for row, tok, lp in zip(ready, *self.sample(ready, temperature)):
+                    self.step_row(row, tok, lp, tools)
+                # rows preempted since their last forward sample too, but decode only after re-admission
+                going = [r for r in ready if r.state == DECODE and not r.traj.finish]
+                going = sorted(self.fit([Prefill(r, r.pending) for r in going], rows), key=lambda it: it.row.slot)
                 if going:
-                    self.decode(going)
-            elif waiting:  # nothing to decode: wait for the first tool answer
+                    self.decode([it.row for it in going])
+            elif futures:  # nothing to decode: wait for the first tool answer
                 t0 = time.perf_counter()
-                concurrent.futures.wait(waiting, timeout=0.05, return_when="FIRST_COMPLETED")
+                concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
                 self.stats["tool_wait_s"] += time.perf_counter() - t0
-            # 5. free the rows that finished
+            # 6. free the rows that finished: their pages and their slot
             for row in [r for r in rows.values() if r.traj.finish]:
+                self.hold = False
                 del rows[row.slot]
-                self.cache.reset_row(row.slot)
+                self.cache.release(row.slot)
                 free.append(row.slot)
                 row.traj.text = self.tok.decode(row.traj.response_ids)
                 self.log("finish", row, reason=row.traj.finish)
                 done.append(row.traj)
                 if on_finish is not None:
                     on_finish(row.traj)
+        assert self.cache.free_pages() == self.cache.num_pages, "pages leaked"
         return done
 
     # ---------------------------------------------------------------------------------------------
-    # the pieces of one engine step
+    # memory: admission, pages, preemption
 
-    def admit(self, reqs, free, rows, budget):
-        """Claimed requests take free rows. Returns their prefills: one per distinct prompt, whose KV
-        the other samples of that prompt then copy (prefix sharing)."""
-        todo = []
+    def reserved(self, row):
+        """tokens promised to a row: its prompt + `reserve` of its budget, or what it holds beyond that"""
+        promised = len(row.traj.prompt_ids) + min(math.ceil(self.reserve * row.budget), row.budget)
+        return max(promised, len(row.traj.prompt_ids) + len(row.traj.response_ids))
+
+    def headroom(self, rows):
+        """free pages not yet promised to the rows in the KV"""
+        held = [r for r in rows if int(self.cache.lengths[r.slot]) > 0]
+        promised = sum(max(0, self.cache.pages(self.reserved(r)) - int(self.cache.npages[r.slot])) for r in held)
+        return self.cache.free_pages() - promised
+
+    def claimed(self, reqs, free, rows, budget):
+        """Claimed requests take free slots as waiting rows (nothing in the KV yet)."""
         for req in reqs:
             n = len(req.prompt_ids)
             if n + 1 > self.max_len:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
-            row = Row(req, free.pop(), row_generator(self.seed, req.key, self.device),
-                      min(budget, self.max_len - n))
-            if todo and todo[-1][0].req.prompt_ids == req.prompt_ids:
-                todo[-1][2].append(row)
-            else:
-                todo.append((row, req.prompt_ids, []))
+            gen = row_generator(self.seed, req.key, self.device)
+            row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.seq))
             rows[row.slot] = row
             self.log("admit", row, slot=row.slot)
+
+    def admit(self, waiting, rows):
+        """Waiting rows, oldest first, enter the KV while the unpromised pages cover their reservation (or
+        nothing else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the
+        other samples of that prompt then share."""
+        room = self.headroom(rows.values())
+        running = any(int(self.cache.lengths[r.slot]) > 0 for r in rows.values())
+        if self.hold and running:  # a row admitted now could only push out the row just preempted
+            return []
+        todo = []
+        for row in sorted(waiting, key=lambda r: r.seq):
+            fresh = not row.traj.response_ids
+            if todo and fresh and todo[-1].row.traj.response_ids == [] and todo[-1].ids == row.pending:
+                share = todo[-1]  # another sample of the prompt just admitted: it needs only its growth
+            else:
+                share = None
+            need = self.cache.pages(self.reserved(row))
+            if need > room and (running or todo):
+                break  # first come, first served: a later row never overtakes an earlier one
+            room -= need
+            if share is not None:
+                share.copies.append(row)
+            else:
+                todo.append(Prefill(row, row.pending))
         return todo
+
+    def fit(self, todo, rows):
+        """Pages for every prefill (or decode) item; when the pool is short, preempt rows until it is not.
+        Returns the items that still go ahead (a preempted row's item drops out)."""
+        cache = self.cache
+
+        def need(it):  # new pages: the row's growth + a copy of a partly filled last page per sharing sample
+            end = int(cache.lengths[it.row.slot]) + len(it.ids)
+            return cache.pages_needed(it.row.slot, end) + len(it.copies) * (end % cache.page_size > 0)
+        while sum(need(it) for it in todo) > cache.free_pages():
+            victim = self.victim(rows, [it.row for it in todo])
+            self.preempt(victim)
+            todo = [it for it in todo if it.row is not victim]
+        for it in todo:
+            cache.grow(it.row.slot, int(cache.lengths[it.row.slot]) + len(it.ids))
+        return todo
+
+    def victim(self, rows, work):
+        """Who gives up its pages: a row parked on a tool call first (it is not decoding anyway), then the
+        most recently admitted (the oldest rows keep going, so every row finishes). Rows in `work` that
+        are not yet in the KV can be sent back to wait, which frees nothing but their claim on the pool."""
+        held = [r for r in rows.values() if int(self.cache.lengths[r.slot]) > 0 or r in work]
+        return max(held, key=lambda r: (r.state == TOOLS, r.seq))
+
+    def preempt(self, row):
+        """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
+        n = int(self.cache.lengths[row.slot])
+        if n:
+            self.cache.release(row.slot)
+            row.pending = row.traj.prompt_ids + row.traj.response_ids
+            row.dropped += n
+            self.hold = True
+            self.stats["preemptions"] += 1
+            self.log("preempt", row, tokens=n)
+        if row.state == DECODE:
+            row.state = WAITING
+
+    # ---------------------------------------------------------------------------------------------
+    # the model: prefill, sample, decode
 
     def prefill(self, todo):
         """The new tokens of several rows (prompts, tool responses) through the model together: shortest
         first, right-padded, in forwards of at most `prefill_tokens` padded tokens (which bounds activation
         memory), each row with room in its cache row for the padded length."""
         group, held = [], 0  # held: the most tokens a row of the group already has in the cache
-        for item in sorted(todo, key=lambda it: len(it[1])):
-            T, n = len(item[1]), int(self.cache.lengths[item[0].slot])  # T: the group's padded length
+        for item in sorted(todo, key=lambda it: len(it.ids)):
+            # T: the group's padded length if this item joins
+            T, n = len(item.ids), int(self.cache.lengths[item.row.slot])
             if group and (T * (len(group) + 1) > self.prefill_tokens or max(held, n) + T > self.max_len):
                 self.prefill_group(group)
                 group, held = [], 0
@@ -217,27 +314,31 @@ class Engine:
         self.prefill_group(group)
 
     def prefill_group(self, group):
-        n = [len(ids) for _, ids, _ in group]
-        ids = torch.tensor([ids + [0] * (max(n) - len(ids)) for _, ids, _ in group], device=self.device)
-        slots = torch.tensor([row.slot for row, _, _ in group])
+        n = [len(it.ids) for it in group]
+        ids = torch.tensor([it.ids + [0] * (max(n) - len(it.ids)) for it in group], device=self.device)
+        slots = torch.tensor([it.row.slot for it in group])
         logits = self.model.forward_cached(ids, self.cache, slots, last_only=True, n_new=n)[:, -1].float()
         self.stats["prefill_tokens"] += sum(n)
-        for (row, _, copies), lg in zip(group, logits):
-            row.logits = lg
-            for other in copies:
-                self.cache.copy_row(row.slot, other.slot)  # shared prefill: the samples copy the prompt's KV
-                other.logits = lg.clone()
+        for it, lg in zip(group, logits):
+            for row in [it.row] + it.copies:
+                # a re-admitted row's dropped tokens are now recomputed
+                self.stats["recomputed_tokens"] += row.dropped
+                row.dropped, row.pending, row.logits = 0, [], lg.clone()
+                if row.state == WAITING:
+                    row.state = DECODE
+                if row is not it.row:  # shared prefill: the samples hold the prompt's pages by reference
+                    self.cache.share(it.row.slot, row.slot)
 
-    def sample(self, rows):
+    def sample(self, rows, temperature):
         """Temperature / top-p sampling, one generator per row. Returns tokens and their log-probs
         under the temperature-scaled distribution (what the policy sampled from)."""
         logits = torch.stack([r.logits for r in rows])  # (B, V)
         for r in rows:
             r.logits = None
-        if self.temperature == 0:
+        if temperature == 0:
             tok = logits.argmax(-1)
             return tok.tolist(), torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0].tolist()
-        logp = torch.log_softmax(logits / self.temperature, -1)  # (B, V)
+        logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
         probs = logp.exp()
         if self.top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
             sp, si = probs.sort(-1, descending=True)
@@ -248,21 +349,22 @@ class Engine:
         tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)  # (B, 1)
         return tok[:, 0].tolist(), logp.gather(1, tok)[:, 0].tolist()
 
-    def step_row(self, row, tok, lp):
+    def step_row(self, row, tok, lp, tools):
         t = row.traj
         t.response_ids.append(tok)
         t.mask.append(1)
         t.logprobs.append(lp)
-        row.pending = [tok]
+        # after the context when the row was preempted since its logits were computed
+        row.pending.append(tok)
         if tok in self.stop_ids:  # the assistant turn is over
             t.turns += 1
-            self.end_turn(row)
+            self.end_turn(row, tools)
         elif len(t.response_ids) >= row.budget:
             t.finish = "length"
 
-    def end_turn(self, row):
+    def end_turn(self, row, tools):
         t = row.traj
-        if self.tools is None:
+        if tools is None:
             t.finish = "stop"
             return
         calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls)
@@ -271,19 +373,20 @@ class Engine:
         elif t.turns >= self.max_turns:
             t.finish = "max_turns"
         else:  # park the row, dispatch its calls; other rows keep decoding
-            row.calls = []
+            row.state, row.calls = TOOLS, []
             for c in calls:
                 if isinstance(c, str):  # malformed call: answered with the error text, never dropped
                     rec = {"code": "", "stdin": "", "status": "invalid", "output": c, "duration": 0.0}
                     row.calls.append((rec, None))
                 else:
                     rec = {"code": c.code, "stdin": c.stdin}
-                    row.calls.append((rec, self.tools.submit(c.code, c.stdin)))
+                    row.calls.append((rec, tools.submit(c.code, c.stdin)))
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):
-        """Append the tool answers; returns the row's prefill (its last sampled token + the answers), or
-        nothing when they do not fit its budget."""
+        """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
+        is in the KV; a preempted row waits to be re-admitted with them. Nothing when they do not fit its
+        budget."""
         t = row.traj
         for rec, fut in row.calls:
             if fut is not None:
@@ -292,7 +395,7 @@ class Engine:
                            output=agent.tool_response_text(res, self.tool_max_chars))
             t.tool_calls.append(rec)
         suffix = agent.tool_suffix_ids(self.tok, [rec["output"] for rec, _ in row.calls])
-        row.calls = None
+        row.calls = []
         self.log("tool_done", row)
         if len(t.response_ids) + len(suffix) >= row.budget:
             t.finish = "length"  # stop before appending: a trajectory always ends on a model turn
@@ -301,17 +404,18 @@ class Engine:
         t.mask += [0] * len(suffix)
         t.logprobs += [0.0] * len(suffix)
         row.turn_start = len(t.response_ids)
-        ids, row.pending = row.pending + suffix, []
-        return [(row, ids, [])]
+        row.pending += suffix
+        if int(self.cache.lengths[row.slot]) == 0:
+            row.state = WAITING
+            return []
+        row.state = DECODE
+        return [Prefill(row, row.pending)]
 
     def decode(self, rows):
         """One decode step: the pending token of every row goes through the model together."""
         ids = torch.tensor([r.pending for r in rows], device=self.device)  # (B, 1)
-        slots = [r.slot for r in rows]
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        index = slice(slots[0], slots[-1] + 1) if contiguous else torch.tensor(slots, device=self.device)
-        logits = self.model.forward_cached(ids, self.cache, index)[:, -1].float()  # (B, V)
-        for r, lg in zip(rows, logits):
+        logits = self.model.forward_cached(ids, self.cache, torch.tensor([r.slot for r in rows]))[:, -1].float()
+        for r, lg in zip(rows, logits):  # (B, V)
             r.pending, r.logits = [], lg
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)

@@ -45,7 +45,7 @@ from common import (Logger, all_gather_dict, checkpoint_dir, collate, compute_cl
 from configurator import configure
 from data import read_jsonl
 from model import load_model, token_logprobs, use_flash
-from rollout import Engine, Request, ToolRunner, kv_rows
+from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
 from scheduler import generate_all
 
@@ -72,6 +72,7 @@ temperature = 1.0
 top_p = 1.0
 kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
+kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
 scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
 tool_workers = 0  # sandbox workers per rank; 0 = number of cores
 tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
@@ -206,14 +207,13 @@ def n_failed(calls):
 
 
 logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
-pool = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory)
-tools = ToolRunner(pool)
+tools = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory).start()
 max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
 grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars)
+                tool_max_chars=tool_max_chars, reserve=kv_reserve)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
@@ -226,7 +226,7 @@ while step < steps:
     cursor += prompts_per_step
     requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"], "problem": i})
                 for b, (i, p) in enumerate(batch) for s in range(n_sample)]
-    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, grader)
+    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, grader, key=f"rl/{step}")
     t_rollout = time.perf_counter() - t0
     # the grades, made on each trajectory's own rank while the engine went on decoding
     grades = all_gather_dict(grader.results())
@@ -330,9 +330,11 @@ while step < steps:
         "mismatch_abs_mean": float(mism["abs"]) / n_loss, "mismatch_abs_max": float(mism["max"]),
         "mismatch_kl_k3": float(mism["k3"]) / n_loss, "mismatch_ratio_out": float(mism["out"]) / n_loss,
         "t_rollout": t_rollout, "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
+        "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
         "tok_per_s": sum(len(t.response_ids) for t in trajs) / t_rollout, "generated_here": n_mine,
     }
-    engine.stats["tool_wait_s"] = 0.0
+    engine.stats.update(tool_wait_s=0.0, preemptions=0, recomputed_tokens=0)
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
            f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "

@@ -167,50 +167,65 @@ def test_save_then_transformers_load(pair, tmp_path):
 
 
 def test_incremental_decoding_matches_full_forward(pair):
-    check_decoding(pair[1])
+    check_decoding(pair[1], page_size=5)
 
 
 def test_batched_prefill_of_rows_at_different_lengths(pair):
-    check_batched_prefill(pair[1])
+    check_batched_prefill(pair[1], page_size=4)
 
 
-def check_batched_prefill(ours):
+def test_paged_rows_longer_than_a_page(pair):
+    check_pages(pair[1], page_size=16)
+
+
+def forward_grown(ours, ids, cache, rows, **kw):
+    """forward_cached after giving each row the pages its real tokens need (the engine's job)"""
+    idx = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else torch.as_tensor(rows).tolist()
+    n = kw.get("n_new") or [ids.shape[1]] * len(idx)
+    for r, k in zip(idx, n):
+        cache.grow(r, int(cache.lengths[r]) + k)
+    return ours.forward_cached(ids, cache, rows, **kw)
+
+
+def check_batched_prefill(ours, page_size):
     """one forward with right-padded new tokens (n_new) == the full forward over each row's sequence,
     for rows that already hold different lengths; the padding never shows up afterwards"""
     g = torch.Generator().manual_seed(3)
-    cache = KVCache(ours.cfg, num_rows=4, max_len=32, device="cpu", dtype=torch.float32)
+    cache = KVCache(ours.cfg, num_rows=4, max_len=32, device="cpu", dtype=torch.float32, page_size=page_size)
     seqs = [torch.randint(0, V, (n,), generator=g) for n in (0, 4, 9, 2)]
     with torch.no_grad():
         for r, p in enumerate(seqs):
             if len(p):
-                ours.forward_cached(p[None], cache, slice(r, r + 1))
+                forward_grown(ours, p[None], cache, slice(r, r + 1))
         new = [torch.randint(0, V, (n,), generator=g) for n in (6, 1, 3, 6)]  # a prompt, tool responses
         ids = torch.stack([F.pad(t, (0, 6 - len(t)), value=V - 1) for t in new])  # right padding
         rows = torch.tensor([2, 0, 3, 1])  # any order of rows
-        out = ours.forward_cached(ids[rows], cache, rows, last_only=True, n_new=[len(new[r]) for r in rows])
+        out = forward_grown(ours, ids[rows], cache, rows, last_only=True, n_new=[len(new[r]) for r in rows])
         assert out.shape == (4, 1, V) and cache.lengths.tolist() == [len(s) + len(t) for s, t in zip(seqs, new)]
+        # the padding took no pages: each row holds exactly the pages of its real tokens
+        assert cache.npages.tolist() == [cache.pages(len(s) + len(t)) for s, t in zip(seqs, new)]
         for b, r in enumerate(rows.tolist()):
             seqs[r] = torch.cat([seqs[r], new[r]])
             assert (out[b, 0] - ours(seqs[r][None])[0, -1]).abs().max() < 1e-4, f"row {r}"
         step = torch.randint(0, V, (4, 1), generator=g)  # a decode step after it: the pads are invisible
-        out = ours.forward_cached(step, cache, slice(0, 4))
+        out = forward_grown(ours, step, cache, slice(0, 4))
         for r in range(4):
             assert (out[r, 0] - ours(torch.cat([seqs[r], step[r]])[None])[0, -1]).abs().max() < 1e-4, f"row {r}"
         with pytest.raises(ValueError, match="n_new"):
             ours.forward_cached(ids[:2], cache, slice(0, 2), n_new=[7, 1])
 
 
-def check_decoding(ours):
+def check_decoding(ours, page_size):
     """prefill rows at different lengths, share a prefix, decode over slice and permuted rows, extend
     one row by several tokens: every logit equals the full forward over the row's whole sequence"""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, V, (n,), generator=g) for n in (3, 7, 5, 1)]
-    cache = KVCache(ours.cfg, num_rows=5, max_len=24, device="cpu", dtype=torch.float32)
+    cache = KVCache(ours.cfg, num_rows=5, max_len=24, device="cpu", dtype=torch.float32, page_size=page_size)
     seqs, logits = [], []  # per row: all tokens fed, and the logits each one produced
     with torch.no_grad():
         # 1. prefill rows 0..3 one at a time, at different lengths
         for r, p in enumerate(prompts):
-            out = ours.forward_cached(p[None], cache, slice(r, r + 1), last_only=r == 2)
+            out = forward_grown(ours, p[None], cache, slice(r, r + 1), last_only=r == 2)
             seqs.append(p.clone())
             if r == 2:  # last_only: just the logits that predict the next token
                 full = ours(p[None])[0]
@@ -219,38 +234,83 @@ def check_decoding(ours):
             logits.append(out[0])
         assert cache.lengths.tolist() == [3, 7, 5, 1, 0]
         # 2. row 4 shares row 1's prompt (prefix sharing)
-        cache.copy_row(1, 4)
+        cache.share(1, 4)
         seqs.append(seqs[1].clone())
         logits.append(logits[1].clone())
-        # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension
+        # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension;
+        # rows grow a page at a time, in turn, so their pages are scattered through the pool
         for step in range(6):
             new = torch.randint(0, V, (5, 1), generator=g)
             if step % 2 == 0:
                 order = torch.arange(5)
-                out = ours.forward_cached(new, cache, slice(0, 5))
+                out = forward_grown(ours, new, cache, slice(0, 5))
             else:
                 order = torch.randperm(5, generator=g)
-                out = ours.forward_cached(new[order], cache, order)
+                out = forward_grown(ours, new[order], cache, order)
             for b, r in enumerate(order.tolist()):  # output row b belongs to cache row order[b]
                 seqs[r] = torch.cat([seqs[r], new[r]])
                 logits[r] = torch.cat([logits[r], out[b]])
             if step == 2:  # a "tool response" of 4 tokens into row 2 only
                 ext = torch.randint(0, V, (1, 4), generator=g)
-                out = ours.forward_cached(ext, cache, torch.tensor([2]))
+                out = forward_grown(ours, ext, cache, torch.tensor([2]))
                 seqs[2] = torch.cat([seqs[2], ext[0]])
                 logits[2] = torch.cat([logits[2], out[0]])
         assert cache.lengths.tolist() == [len(s) for s in seqs]
         for r in range(5):
             ref = F.log_softmax(ours(seqs[r][None])[0], -1)
             assert (F.log_softmax(logits[r], -1) - ref).abs().max() < 1e-4, f"row {r}"
-        # 4. overflow is an error, and leaves lengths alone
-        with pytest.raises(ValueError, match="max_len"):
-            ours.forward_cached(torch.zeros(1, 24, dtype=torch.long), cache, slice(0, 1))
+        # 4. tokens beyond a row's pages are an error, and leave lengths alone
+        with pytest.raises(ValueError, match="overflow"):
+            ours.forward_cached(torch.zeros(1, cache.npages[0] * page_size, dtype=torch.long), cache, slice(0, 1))
         assert cache.lengths.tolist() == [len(s) for s in seqs]
-        cache.reset_row(3)
-        assert cache.lengths[3] == 0
-        # k and v, 2 layers, 5 rows, 24 slots, fp32
-        assert cache.nbytes() == 2 * 2 * 5 * 24 * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+        with pytest.raises(RuntimeError, match="max_len"):
+            cache.grow(0, 25)
+        # 5. released rows give their pages back; all pages free at the end
+        used = cache.num_pages - cache.free_pages()
+        cache.release(3)
+        assert cache.lengths[3] == 0 and cache.free_pages() == cache.num_pages - used + cache.pages(len(seqs[3]))
+        for r in (0, 1, 2, 4):
+            cache.release(r)
+        assert cache.free_pages() == cache.num_pages and not any(cache.refs)
+        # k and v, 2 layers, 5 rows of ceil(24 / page_size) pages, fp32
+        slots = 5 * cache.pages(24) * page_size
+        assert cache.nbytes() == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+
+
+def check_pages(ours, page_size):
+    """rows several pages long: prompts prefilled together, one shared (its full pages by reference, its
+    partial page copied), a released row's pages reused by the next prompt, decode steps over all rows in
+    a permuted order; every row's last logits equal the full forward, and the page counts add up"""
+    g = torch.Generator().manual_seed(11)
+    ps = page_size
+    lens = (2 * ps + 3, 5, 3 * ps + 1)
+    cache = KVCache(ours.cfg, num_rows=4, max_len=4 * ps, device="cpu", dtype=torch.float32, page_size=ps,
+                    num_pages=10)
+    seqs = [torch.randint(0, V, (n,), generator=g) for n in lens]
+    with torch.no_grad():
+        ids = torch.stack([F.pad(s, (0, max(lens) - len(s))) for s in seqs])
+        forward_grown(ours, ids, cache, torch.arange(3), last_only=True, n_new=list(lens))
+        assert cache.free_pages() == 10 - 3 - 1 - 4
+        cache.share(0, 3)  # 2 full pages shared, the partial third copied
+        seqs.append(seqs[0].clone())
+        assert cache.free_pages() == 1 and cache.refs[int(cache.table[0, 0])] == 2
+        assert cache.table[3, :2].tolist() == cache.table[0, :2].tolist() and cache.table[3, 2] != cache.table[0, 2]
+        cache.release(1)  # its page goes to a new prompt of 1.5 pages
+        seqs[1] = torch.randint(0, V, (ps + ps // 2,), generator=g)
+        forward_grown(ours, seqs[1][None], cache, [1])
+        assert cache.free_pages() == 0
+        for _ in range(3):
+            order = torch.randperm(4, generator=g)
+            new = torch.randint(0, V, (4, 1), generator=g)
+            # the pool is full, and no row needs a new page for these steps
+            assert not any(cache.pages_needed(r, int(cache.lengths[r]) + 1) for r in range(4))
+            out = ours.forward_cached(new[order], cache, order)
+            for b, r in enumerate(order.tolist()):
+                seqs[r] = torch.cat([seqs[r], new[r]])
+                assert (out[b, 0] - ours(seqs[r][None])[0, -1]).abs().max() < 1e-4, f"row {r}"
+        for r in range(4):
+            cache.release(r)
+        assert cache.free_pages() == 10 and not any(cache.refs)
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
@@ -267,24 +327,41 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     return out
 
 
-def reference_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, causal=False):
-    """flash_attn_with_kvcache as documented: write k/v at cache_seqlens in place, attend bottom-right causally"""
+def reference_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                      block_table=None, causal=False):
+    """flash_attn_with_kvcache as documented, in loops. With block_table (B, max_blocks) int32 the caches are
+    pools (num_blocks, page_block_size, Hkv, hd), page_block_size a multiple of 256, and row b's key j lives
+    in block block_table[b, j // page_block_size]. k/v, if given, are written at cache_seqlens first; the
+    attention is bottom-right causal: query t sees keys j <= seqlen_k - T + t (seqlen_k = cache_seqlens + T
+    with k, else cache_seqlens)."""
     assert causal and cache_seqlens.dtype == torch.int32
     B, T, H, hd = q.shape
-    rep, out = H // k.shape[2], torch.empty_like(q)
+    rep, out = H // k_cache.shape[2], torch.empty_like(q)
+    if block_table is not None:
+        assert cache_batch_idx is None and block_table.dtype == torch.int32 and block_table.shape[0] == B
+        assert k_cache.shape[1] % 256 == 0, "page_block_size must be a multiple of 256"
     for b in range(B):
         r, n = b if cache_batch_idx is None else int(cache_batch_idx[b]), int(cache_seqlens[b])
-        k_cache[r, n:n + T], v_cache[r, n:n + T] = k[b], v[b]
-        ks, vs = (c[r, :n + T].repeat_interleave(rep, 1).transpose(0, 1) for c in (k_cache, v_cache))  # (H, n+T, hd)
-        scores = (q[b].transpose(0, 1) @ ks.transpose(1, 2)) / hd ** 0.5  # (H, T, n+T)
-        visible = torch.arange(n + T)[None] <= n + torch.arange(T)[:, None]
+        if block_table is None:
+            where = [(r, j) for j in range(k_cache.shape[1])]  # (cache row, slot) of key j
+        else:
+            ps = k_cache.shape[1]
+            where = [(int(block_table[b, j // ps]), j % ps) for j in range(block_table.shape[1] * ps)]
+        if k is not None:
+            for t in range(T):
+                k_cache[where[n + t]], v_cache[where[n + t]] = k[b, t], v[b, t]
+        S = n + T if k is not None else n
+        ks, vs = (torch.stack([c[where[j]] for j in range(S)]).repeat_interleave(rep, 1).transpose(0, 1)
+                  for c in (k_cache, v_cache))  # (H, S, hd)
+        scores = (q[b].transpose(0, 1) @ ks.transpose(1, 2)) / hd ** 0.5  # (H, T, S)
+        visible = torch.arange(S)[None] <= S - T + torch.arange(T)[:, None]
         out[b] = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
     return out
 
 
 def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
     """no GPU here: stand in for the two flash-attn kernels with loop implementations of their documented
-    semantics, to check everything around them (varlen indices, cu_seqlens, cache layout, row indices)"""
+    semantics, to check everything around them (varlen indices, cu_seqlens, page pool layout, page tables)"""
     _, ours, _ = pair
     ids, mask = padded_batch()
     with torch.no_grad():
@@ -294,10 +371,14 @@ def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
         monkeypatch.setattr(model_module, "flash_attn_with_kvcache", reference_kvcache)
         assert (ours(ids, mask) - sdpa_padded)[mask.bool()].abs().max() < 1e-4
         assert (ours(ids) - sdpa_plain).abs().max() < 1e-4
-    check_decoding(ours)
-    check_batched_prefill(ours)
-    flash_layout = (8, ours.cfg.num_key_value_heads, ours.cfg.head_dim)  # (max_len, Hkv, hd)
-    assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32).k.shape[2:] == flash_layout
+        # the paged path: flash-attn wants pages of a multiple of 256 tokens
+        with pytest.raises(ValueError, match="256"):
+            KVCache(ours.cfg, 2, 8, "cpu", torch.float32, page_size=16)
+        check_decoding(ours, page_size=256)
+        check_batched_prefill(ours, page_size=256)
+        check_pages(ours, page_size=256)
+    pool_layout = (256, ours.cfg.num_key_value_heads, ours.cfg.head_dim)  # (page_size, Hkv, hd)
+    assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32, page_size=256).k.shape[2:] == pool_layout
 
 
 def test_load_in_bf16_and_config(pair):

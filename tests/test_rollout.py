@@ -1,5 +1,7 @@
 """The rollout engine against transformers' greedy decoding, its tool loop, KV limits and seeding."""
 import concurrent.futures
+import json
+import os
 import threading
 import types
 
@@ -156,7 +158,8 @@ def test_kv_capacity_never_exceeded_and_seeding_ignores_batch_composition(tiny):
     reqs = [Request(prompts_of(tok, 6)[i // 4], key=(3, i // 4, i % 4)) for i in range(24)]
     results = {}
     for rows in (2, 5):
-        engine = Engine(model, tok, kv_capacity=rows * 128, max_len=128, temperature=1.0, top_p=0.9, seed=7)
+        engine = Engine(model, tok, kv_capacity=rows * 128, max_len=128, temperature=1.0, top_p=0.9, seed=7,
+                        reserve=1.0)  # whole-budget reservations: rows x max_len is the pool
         capacity = engine.num_rows * engine.max_len
         seen = []
         real = model.forward_cached
@@ -196,3 +199,146 @@ def test_cache_rows_too_long_are_refused(tiny):
     with pytest.raises(ValueError, match="does not fit"):
         engine.generate([list(range(5, 70))], 4)
     assert isinstance(engine.cache, KVCache)
+
+
+def test_tokens_as_recorded_before_paging(tiny):
+    """the engine as it was before the paged KV cache, recorded on this tiny model at temperature 1
+    (tests/fixtures/engine_tokens_before_paging.json): with a pool that never runs out, the same seeds
+    give the same tokens"""
+    path, tok, _ = tiny
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "engine_tokens_before_paging.json")) as f:
+        recorded = json.load(f)
+    model = load_model(path)
+    for name, top_p, seed in (("t1_top_p_0.9", 0.9, 7), ("t1", 1.0, 11)):
+        reqs = [Request(prompts_of(tok, 6)[i // 4], key=(3, i // 4, i % 4)) for i in range(24)]
+        engine = Engine(model, tok, kv_capacity=5 * 128, max_len=128, temperature=1.0, top_p=top_p, seed=seed)
+        got = {repr(t.key): t.response_ids for t in engine.run(iter_claim(reqs), 40)}
+        assert got == recorded[name]
+
+
+class ForcedTurns(torch.nn.Module):
+    """The tiny model with forced turn boundaries, decided from each row's whole context, so a row that
+    is prefilled again after preemption is forced exactly as before. Turn j (counted by <|im_start|>
+    tokens: 3 in the prompt, 2 more per tool response) has 8-31 free tokens (the model's own; stop and
+    tool tokens masked), then in turns 0 and 1 a tool call printing a number and <|im_end|>; turn 2
+    ends with <|im_end|>. To the engine, just a model."""
+
+    def __init__(self, model, tok):
+        super().__init__()
+        self.model, self.cfg, self.tok, self.hist = model, model.cfg, tok, {}
+        self.start = tok.convert_tokens_to_ids("<|im_start|>")
+        self.gp = len(tok.encode(agent.GENERATION_PROMPT, add_special_tokens=False))
+        self.banned = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<tool_call>",
+                                                 "</tool_call>"])
+        self.seen = []  # (used pages, pages the row tables hold) before every forward
+
+    def tail(self, h, turn):
+        end = [self.tok.convert_tokens_to_ids("<|im_end|>")]
+        if turn >= 2:
+            return end
+        call = '<tool_call>{"name": "%s", "arguments": {"code": "print(%d)", "input": ""}}</tool_call>' % (
+            agent.TOOL_NAME, 10 * turn + len(h) % 7)
+        return self.tok.encode(call, add_special_tokens=False) + end
+
+    def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
+        idx = list(range(cache.num_rows))[rows] if isinstance(rows, slice) else torch.as_tensor(rows).tolist()
+        n = [input_ids.shape[1]] * len(idx) if n_new is None else list(n_new)
+        if not hasattr(cache, "spied"):  # a sample that shares a prompt's pages shares its history too
+            share, cache.spied = cache.share, True
+            cache.share = lambda src, dst: self.hist.__setitem__(dst, list(self.hist[src])) or share(src, dst)
+        held = {p for r in range(cache.num_rows) for p in cache.table[r, :cache.npages[r]].tolist()}
+        self.seen.append((cache.num_pages - cache.free_pages(), len(held)))
+        for b, r in enumerate(idx):
+            new = input_ids[b, :n[b]].tolist()
+            self.hist[r] = new if cache.lengths[r] == 0 else self.hist[r] + new
+        logits = self.model.forward_cached(input_ids, cache, rows, last_only, n_new)
+        for b, r in enumerate(idx):
+            h = self.hist[r]
+            starts = [i for i, t in enumerate(h) if t == self.start]
+            turn, begin = (len(starts) - 3) // 2, starts[-1] + self.gp
+            k = len(h) - begin  # tokens of this turn so far
+            free = 8 + (sum(h[:begin]) + turn) % 24
+            lg = logits[b, -1]
+            if k < free:
+                lg[self.banned] = float("-inf")
+            else:
+                # the forced tail is fixed by the context at the turn's start
+                want = self.tail(h[:begin + free], turn)[k - free]
+                lg.fill_(float("-inf"))
+                lg[want] = 0.0
+        return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
+    """a pool so small that rows are preempted again and again gives the same trajectories as a pool
+    that holds every row's whole budget; the pool is never exceeded and is empty after the run"""
+    path, tok, _ = tiny
+    model = load_model(path)
+    prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:6]]
+    reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
+    results = {}
+    for name, kv, reserve in (("large", 12 * 240, 1.0), ("small", 240, 0.0)):
+        forced = ForcedTurns(model, tok)
+        tools = SlowTools({"print(%d)" % v: 0.02 * (v % 3) for v in range(20)}) if with_tools else None
+        engine = Engine(forced, tok, kv_capacity=kv, max_len=240, temperature=temperature, seed=5, tools=tools,
+                        reserve=reserve, max_rows=12, page_size=4)
+        trajs = engine.run(iter_claim(reqs), 200)
+        results[name] = {t.key: t for t in trajs}
+        assert len(trajs) == 12
+        # the pool: pages in use are exactly the pages the row tables hold, never more than the pool
+        assert all(used == held <= engine.cache.num_pages for used, held in forced.seen)
+        assert engine.cache.free_pages() == engine.cache.num_pages and not any(engine.cache.refs)
+        results[name + "_stats"] = dict(engine.stats)
+    assert results["large_stats"]["preemptions"] == 0
+    small = results["small_stats"]
+    assert small["preemptions"] >= (15 if with_tools else 5) and small["recomputed_tokens"] > 0
+    for key, a in results["large"].items():
+        b = results["small"][key]
+        assert (a.response_ids, a.mask, a.finish, a.turns) == (b.response_ids, b.mask, b.finish, b.turns)
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert [c["output"] for c in a.tool_calls] == [c["output"] for c in b.tool_calls]
+        assert a.turns == (3 if with_tools else 1) and a.finish == "stop"
+    if temperature == 1.0:  # the samples of a prompt really were sampled
+        assert any(results["large"][(1, p, 0)].response_ids != results["large"][(1, p, 1)].response_ids
+                   for p in range(6))
+
+
+def test_samples_of_a_prompt_hold_its_pages_once(tiny):
+    path, tok, _ = tiny
+    p = agent.render_prompt(tok, QUESTIONS[1])[:-5]  # 2 full pages of 16 and a partial one
+    assert len(p) % 16 and len(p) > 32
+    engine = Engine(load_model(path), tok, kv_capacity=8 * 128, max_len=128, temperature=1.0)
+    seen = []
+    real = engine.model.forward_cached
+
+    def spy(ids, cache, rows, last_only=False, n_new=None):
+        seen.append((ids.shape[1], cache.num_pages - cache.free_pages()))
+        return real(ids, cache, rows, last_only, n_new)
+    engine.model.forward_cached = spy
+    try:
+        trajs = engine.run(iter_claim([Request(p, key=(0, 0, s)) for s in range(8)]), 10)
+    finally:
+        del engine.model.forward_cached
+    assert len(trajs) == 8 and engine.stats["prefill_tokens"] == len(p)
+    full = len(p) // 16
+    # at the first decode step: the prompt's full pages once, and one partly filled page per sample
+    # (8 private copies would hold 8 x 3 pages)
+    assert seen[1] == (1, full + 8)
+    assert engine.cache.free_pages() == engine.cache.num_pages
+
+
+def test_whole_budget_reservations_admit_as_many_rows_as_before(tiny):
+    """reserve=1 is the engine before paging: kv_capacity // max_len rows decode at once, whatever the
+    page size, and nothing is ever preempted"""
+    path, tok, _ = tiny
+    model = load_model(path)
+    for page_size in (16, 7):  # 7 does not divide max_len: whole rows round up to whole pages
+        engine = Engine(model, tok, kv_capacity=5 * 100, max_len=100, temperature=1.0, reserve=1.0,
+                        page_size=page_size)
+        engine.stop_ids = set()
+        reqs = [Request(prompts_of(tok, 5)[i % 5], key=(0, i, 0)) for i in range(10)]
+        engine.run(iter_claim(reqs), 20)
+        assert engine.num_rows == 5 and engine.stats["preemptions"] == 0
+        assert engine.stats["decode_steps"] == 2 * 19  # two rounds of 5 rows, each 20 tokens (the first sampled)

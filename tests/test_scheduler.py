@@ -48,7 +48,7 @@ def worker(rank, path, init_file, results):
     for mode in ("static", "dynamic"):
         dist.barrier()
         t0 = time.perf_counter()
-        trajs, mine = generate_all(engine, reqs, BUDGET, mode)
+        trajs, mine = generate_all(engine, reqs, BUDGET, mode, key=f"test/{mode}")
         dist.barrier()
         out[mode] = (time.perf_counter() - t0, mine, [(t.key, t.response_ids) for t in trajs])
     results[rank] = out

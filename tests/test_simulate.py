@@ -1,4 +1,4 @@
-"""Tests for the rollout-scheduling simulator in scheduler.py (`python scheduler.py --simulate`): the
+"""Tests for the rollout-scheduling simulator (`python simulate.py`): the
 invariants of both policies at small scale, the closed-form event jumps against a plain step-by-step
 loop written here, and the fitted length distribution against numpy samples."""
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduler import SIM_PARAMS, kv_capacity, lognormal_fit, sim_params, sim_workload, simulate
+from simulate import SIM_PARAMS, kv_capacity, lognormal_fit, sim_params, sim_workload, simulate
 
 pytestmark = pytest.mark.timeout(60)  # a simulator that stops making progress fails fast
 
@@ -180,3 +180,31 @@ def test_bad_input_is_named():
         simulate("static", {**SMALL, "kv_tokens": 5000})
     with pytest.raises(ValueError, match="clip_frac"):
         simulate("static", {**SMALL, "resp_mean": 500.0})  # 10% at 8K alone makes the mean > 819
+
+
+def test_paged_completes_everything_within_the_kv():
+    for kv in (TIGHT, 0):
+        for reserve in (0.0, 0.5):
+            r = simulate("paged", {**SMALL, "kv_tokens": kv, "reserve": reserve}, seed=1)
+            assert (r["completions"] == 1).all()
+            assert r["generated_tokens"] == r["planned_tokens"]
+            assert r["peak_kv_tokens"] <= r["kv_tokens"]
+    tight = simulate("paged", {**SMALL, "kv_tokens": TIGHT, "reserve": 0.0}, seed=1)
+    assert tight["evictions"] > 0 and tight["recomputed_tokens"] > 0
+
+
+def test_paged_with_the_whole_budget_reserved_is_dynamic():
+    """reserve=1 promises every row prompt + budget: the admission rule of dynamic, and nothing to preempt"""
+    for kv in (TIGHT, 3 * TIGHT):
+        p = {**SMALL, "kv_tokens": kv, "reserve": 1.0}
+        a, b = simulate("paged", p, seed=2), simulate("dynamic", p, seed=2)
+        assert a["evictions"] == 0
+        for k in ("makespan_s", "generated_tokens", "prefill_tokens", "decode_steps", "peak_kv_tokens"):
+            assert a[k] == b[k], k
+
+
+def test_paged_over_commits_and_uses_more_of_the_kv():
+    p = {**SMALL, "kv_tokens": 3 * TIGHT}
+    dynamic, paged = simulate("dynamic", p, seed=3), simulate("paged", {**p, "reserve": 0.25}, seed=3)
+    assert paged["mean_batch"] > dynamic["mean_batch"]
+    assert paged["steady_kv_pct"] > dynamic["steady_kv_pct"]
