@@ -72,7 +72,9 @@ import transformers
 import agent
 import data
 import sandbox
-from model import load_model
+from common import collate
+from grpo_roc import policy_loss
+from model import load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
 from sandbox import Result, SandboxPool
 
@@ -653,10 +655,80 @@ def sandbox_bench(isolation, timeout=4.0):
 
 # -----------------------------------------------------------------------------
 
+def update_step(model, reps, n=64, prompt=60, response=40):
+    """(u) the policy update of one RL step on n kept trajectories, two ways side by side: with the "old"
+    log-probs from a separate no-grad forward first (what every mini-batch needs when there are several),
+    and taken from the update's own forward, detached (what train_rl.py does when mini_batches == 1)."""
+    g = torch.Generator().manual_seed(0)
+    V = model.cfg.vocab_size
+    seqs = []
+    for _ in range(n):
+        ids = torch.randint(V, (prompt + response,), generator=g).tolist()
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [1.0] * (len(ids) - 1),
+                     "mask": [0] * (prompt - 1) + [1] * response})
+    m = collate(seqs, "cpu", packed=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
+
+    def update(two_forwards):
+        if two_forwards:
+            with torch.no_grad():
+                old = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
+        lp, _ = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True)
+        loss = policy_loss(lp, old if two_forwards else lp.detach(), m["adv"], m["mask"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    (two, one), rounds = medians([lambda: update(True), lambda: update(False)], reps)
+    print(f"\n(u) policy update of {n} trajectories of {prompt}+{response} tokens, {rounds} rounds: "
+          f"old log-probs by a second forward {two:.3f} s, from the update's own forward {one:.3f} s: x{two / one:.2f}")
+
+
+def grading(tok, reps, prompts=8, samples=16):
+    """(g) one tiny RL step's rollouts whose answers need math-verify (fractions), graded inline in the engine's
+    on_finish vs by agent.Grader off the decode loop; the end of the timing is every grade in hand."""
+    qs = [f"What is {i} / {i + 7}?" for i in range(1, prompts + 1)]
+    golds = [f"\\frac{{{i}}}{{{i + 7}}}" for i in range(1, prompts + 1)]
+    answers = [tok.encode(f"<reason>r</reason>\n<answer>\\boxed{{\\frac{{{2 * i}}}{{{2 * (i + 7)}}}}}</answer>"
+                          "<|im_end|>", add_special_tokens=False) for i in range(1, prompts + 1)]
+    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=32, intermediate_size=384,
+                                   max_position_embeddings=2048)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        transformers.Qwen3ForCausalLM(cfg).save_pretrained(d)
+        model = load_model(d, dtype=torch.float32).eval()
+
+    class Forced(Engine):  # every rollout writes its scripted answer (the model's logits are computed anyway)
+        def sample(self, rows, *args):
+            toks, lps = super().sample(rows, *args)
+            for j, r in enumerate(rows):
+                a, pos = answers[r.req.key[1]], len(r.traj.response_ids)
+                toks[j] = a[pos] if pos < len(a) else toks[j]
+            return toks, lps
+    engine = Forced(model, tok, kv_capacity=prompts * samples * 600, max_len=600)
+    reqs = lambda: [Request(agent.render_prompt(tok, q), key=(0, i, s), meta={"answer": golds[i]})  # noqa: E731
+                    for i, q in enumerate(qs) for s in range(samples)]
+    agent.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
+
+    def inline():
+        grades = []
+        engine.run(iter_claim(reqs()), 64, lambda t: grades.append(
+            agent.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
+        assert grades == [1.0] * len(qs) * samples
+
+    def off_loop():
+        grader = agent.Grader(tok)
+        engine.run(iter_claim(reqs()), 64, grader)
+        assert [r["reward"] for r in grader.results().values()] == [1.0] * len(qs) * samples
+    (a, b), rounds = medians([inline, off_loop], reps)
+    print(f"\n(g) {prompts * samples} rollouts whose answers need math-verify, {rounds} rounds: graded inline "
+          f"{a:.2f} s, off the decode loop {b:.2f} s: x{a / b:.2f}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
     ap.add_argument("sections", nargs="*", default=["a", "l", "b", "k", "c"],
-                    help="a l b k c p (default: a l b k c), or sandbox alone")
+                    help="a l b k c p u g (default: a l b k c), or sandbox alone")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 unless the cores are idle)")
     ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
     ap.add_argument("--efficiency", type=float, default=None,
@@ -665,9 +737,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
-    unknown = set(args.sections) - set("albkcp")
+    unknown = set(args.sections) - set("albkcpug")
     if unknown:
-        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b k c p")
+        ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b k c p u g")
     if args.threads < 1 or args.reps < 1:
         ap.error("--threads and --reps must be >= 1")
     torch.set_num_threads(args.threads)
@@ -714,6 +786,10 @@ if __name__ == "__main__":
             r = multi_turn(ours, hf, tok, prompts, MT_BATCH, TURN_LEN, args.reps)
             print_multi_turn(r)
             print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
+        if "u" in args.sections:
+            update_step(ours, args.reps)
+        if "g" in args.sections:
+            grading(tok, args.reps)
         if "k" in args.sections:
             reserve = inspect.signature(Engine).parameters["reserve"].default
             print(f"\n(k) the paged engine (reserve {reserve}, over-commit + preemption) vs "

@@ -61,9 +61,9 @@ def script(step, prompt, sample, gold):
 _sample = rollout.Engine.sample
 
 
-def sample(self, rows):
+def sample(self, rows, temperature):
     logits = [r.logits for r in rows]
-    toks, lps = _sample(self, rows)
+    toks, lps = _sample(self, rows, temperature)
     for i, (r, lg) in enumerate(zip(rows, logits)):
         turns = script(*r.req.key, r.req.meta["answer"])
         t = r.traj
@@ -73,7 +73,7 @@ def sample(self, rows):
         pos = len(t.response_ids) - r.turn_start
         if pos < len(ids):
             toks[i] = ids[pos]
-            lps[i] = torch.log_softmax(lg / (self.temperature or 1.0), -1)[ids[pos]].item()
+            lps[i] = torch.log_softmax(lg / (temperature or 1.0), -1)[ids[pos]].item()
     return toks, lps
 
 

@@ -49,9 +49,9 @@ def test_fp32_engine_and_trainer_logprobs_agree(tiny, monkeypatch):
                       '"input": ""}}\n</tool_call><|im_end|>' % (agent.TOOL_NAME, 42), add_special_tokens=False)
     sample = Engine.sample
 
-    def forced(self, rows):
+    def forced(self, rows, temperature):
         logits = [r.logits for r in rows]
-        toks, lps = sample(self, rows)
+        toks, lps = sample(self, rows, temperature)
         for i, (r, lg) in enumerate(zip(rows, logits)):
             pos = len(r.traj.response_ids) - r.turn_start
             if r.traj.turns < 2 and pos < len(turn):
