@@ -6,6 +6,11 @@ A worker is `python -I sandbox_worker.py '<json config>'`, started by sandbox.py
 (setsid, rlimits, a non-root uid, an empty directory of its own), run the code as __main__, collect its
 output until it exits or the wall deadline passes, then kill everything else in the namespace.
 
+What the code prints is what the release's code harness prints for it (the model was trained on that):
+errors as "ErrType at line N: msg\n  <line>", the code compiled as "<string>", a trailing expression's
+repr after all other output, what print() left buffered lost on an error and kept on a timeout (the
+call's own alarm flushes it at the deadline). _run_as_release says how the harness runs the code.
+
 It also owns what a call can see. `view()` (run by the pool, on the host, once per process) lists it;
 bwrap gets the list as arguments, and with the unshare fallback `_build_root` (run here, as root of a
 fresh mount namespace) mounts the same list on an empty tmpfs and pivots into it. The list:
@@ -256,7 +261,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(code, tmp, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # never returns
+        _child(code, tmp, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 1) collect output until the child exits or the deadline passes
@@ -395,13 +400,16 @@ def _child(code, tmp, deadline, timeout, cfg, vm, libc, fds):
                 exit_code = 1
         except _Reported as e:  # the harness prints its report and ends with os._exit(1): what print()
             # left in stdout's buffer is lost (only what was flushed stays)
-            status, exit_code, flush = ("memory" if isinstance(e.error, MemoryError) else "error"), 1, (sys.stderr,)
+            status = "memory" if isinstance(e.error, MemoryError) else "error"
+            exit_code, flush = 1, (sys.stderr,)
             try:
                 print(str(e), file=sys.stderr)
             except MemoryError:
                 os.write(2, type(e.error).__name__.encode() + b"\n")
-        except BaseException as e:  # KeyboardInterrupt and the like: python3 prints the traceback
+        except BaseException as e:  # the harness prints a traceback (then os._exit(1)); python3 does the same for
+            # a KeyboardInterrupt and the like (and then flushes stdout)
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
+            flush = (sys.stderr,) if isinstance(e, Exception) else flush
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame on
         signal.setitimer(signal.ITIMER_REAL, 0)
         for f in flush:

@@ -276,7 +276,8 @@ HARNESS = [  # (name, code, stdin, status, stdout the harness gives, stderr the 
 def test_output_is_the_release_harness_output(pool, name, code, stdin, status, stdout, stderr):
     r = pool.map([(code, stdin)])[0]
     notes = "\n".join(f"[sandbox] {n}" for n in ["timeout: killed after 1.5 s"] * (status == "timeout"))
-    assert (r.status, r.stdout + (r.value + "\n" if r.value else ""), r.stderr) == (status, stdout, stderr + notes), r
+    printed = r.stdout + (r.value + "\n" if r.value else "")
+    assert (r.status, printed, r.stderr) == (status, stdout, stderr + notes), r
     assert status != "timeout" or 1.4 < r.duration < 3.0, r  # the deadline still holds
 
 
