@@ -35,7 +35,7 @@ How a status is decided (first rule that matches):
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
-    error       an exception reached the top level (traceback in stderr) or a non-zero exit status
+    error       an exception reached the top level (stderr: the release harness's words) or a non-zero exit
     ok          anything else, including sys.exit(0) and os._exit(0)
 Knobs (keyword arguments; the training configs set them):
     workers        slots, each running one call at a time in its lean or rich worker (default: CPU cores)
@@ -48,7 +48,8 @@ Knobs (keyword arguments; the training configs set them):
 run() may be awaited from any event loop in any thread; map() blocks; submit() returns a
 concurrent.futures.Future at once (the pool waits for it on its own event-loop thread).
 
-`value` is the repr of a trailing expression (like IPython's Out[]) when nothing was printed, else "".
+The code runs as the release's harness runs it and prints what it prints (sandbox_worker._run_as_release).
+`value` is the repr of a trailing expression (not None; like IPython's Out[]), which the harness prints last.
 `duration` is the seconds the call ran in its worker (for overloaded: the seconds it waited).
 stdout and stderr are cut at `output_cap` bytes each; a line in stderr says how much was dropped.
 
@@ -111,8 +112,8 @@ WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandb
 class Result:
     status: str      # one of STATUSES
     stdout: str
-    stderr: str      # traceback, or a "[sandbox] ..." line saying why the call was stopped
-    value: str       # repr of a trailing expression when nothing was printed, else ""
+    stderr: str      # the error in the harness's words, or a "[sandbox] ..." line saying why the call stopped
+    value: str       # repr of a trailing expression (printed last by the harness), else ""
     duration: float  # seconds the call ran (for overloaded: seconds it waited)
 
 

@@ -6,6 +6,11 @@ A worker is `python -I sandbox_worker.py '<json config>'`, started by sandbox.py
 (setsid, rlimits, a non-root uid, an empty directory of its own), run the code as __main__, collect its
 output until it exits or the wall deadline passes, then kill everything else in the namespace.
 
+What the code prints is what the release's code harness prints for it (the model was trained on that):
+errors as "ErrType at line N: msg\n  <line>", the code compiled as "<string>", a trailing expression's
+repr after all other output, what print() left buffered lost on an error and kept on a timeout (the
+call's own alarm flushes it at the deadline). _run_as_release says how the harness runs the code.
+
 It also owns what a call can see. `view()` (run by the pool, on the host, once per process) lists it;
 bwrap gets the list as arguments, and with the unshare fallback `_build_root` (run here, as root of a
 fresh mount namespace) mounts the same list on an empty tmpfs and pivots into it. The list:
@@ -26,7 +31,6 @@ import ctypes
 import functools
 import gc
 import json
-import linecache
 import math
 import os
 import resource
@@ -42,6 +46,8 @@ import types
 
 NPROC = 64         # processes + threads one call may have (per uid, so per slot when we run as root)
 NOFILE = 256       # open files per call process
+LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
+#                    flush what it printed and end it, before it kills the call itself
 
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
@@ -80,9 +86,9 @@ def main(cfg):
         if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
                            cfg, _vmsize(), libc)
-            if canary["status"] != "ok":
+            if canary["status"] != "ok":  # (the first line of the harness's report is the error)
                 raise RuntimeError(f"code running as uid {cfg['uid']} cannot read the Python installation: "
-                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[-1])
+                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[0])
     except Exception as e:
         rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
         rep.flush()
@@ -113,11 +119,14 @@ def _prepare_calls(cfg, libc):
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
-    # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers
+    signal.signal(signal.SIGALRM, _deadline)  # armed by each child for its own deadline
+    # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
+    # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
+    # stderr by lines
     sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.argv = ["<code>"]
+    sys.stderr = sys.__stderr__ = open(2, "w", 1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.argv = ["<string>"]
 
 
 def _vmsize():
@@ -253,7 +262,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(code, tmp, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # never returns
+        _child(code, tmp, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 1) collect output until the child exits or the deadline passes
@@ -283,7 +292,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
 
     timed_out, exited = False, False
     while not exited:
-        left = t0 + timeout - time.monotonic()
+        left = t0 + timeout + LAST_WORDS - time.monotonic()
         if left <= 0:
             timed_out = True
             break
@@ -324,7 +333,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
     ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").rpartition("\0")[2].partition("\n")
     note = ""
-    if timed_out:
+    if timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
     elif os.WIFSIGNALED(wstatus):
         sig = os.WTERMSIG(wstatus)
@@ -344,12 +353,13 @@ def _call(code, stdin, timeout, cfg, vm, libc):
              for name, fd in (("stdout", out_r), ("stderr", err_r)) if dropped[fd]] + ([note] if note else [])
     if notes:
         stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes)
-    value = value if has_value and not stdout else ""
+    value = value if has_value else ""
     return {"status": status, "stdout": stdout, "stderr": stderr, "value": value, "duration": duration}
 
 
-def _child(code, tmp, timeout, cfg, vm, libc, fds):
-    """The forked child: lock down, then run `code` as __main__. Never returns into the worker.
+def _child(code, tmp, deadline, timeout, cfg, vm, libc, fds):
+    """The forked child: lock down, then run `code` as __main__, as the release's harness runs it
+    (_run_as_release). Never returns into the worker.
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
@@ -374,31 +384,36 @@ def _child(code, tmp, timeout, cfg, vm, libc, fds):
             os.dup2(fd, i)
         os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
         main = types.ModuleType("__main__")
+        main.__file__ = "<string>"  # as in the release's globals for the code
         sys.modules["__main__"] = main
-        status, value = "ok", None
+        status, value, flush = "ok", None, (sys.stdout, sys.stderr)
+        signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-3))  # -> _deadline
         try:
-            # a trailing expression is evaluated apart so that its value can be shown, IPython-style
-            tree = ast.parse(code, "<code>")
-            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")
-            exec(compile(tree, "<code>", "exec"), main.__dict__)
-            if last is not None:
-                v = eval(compile(ast.Expression(last.value), "<code>", "eval"), main.__dict__)
-                value = None if v is None else repr(v)[:cfg["output_cap"]]
+            value = _run_as_release(code, main.__dict__)
+            if value is not None:
+                value = value[:cfg["output_cap"]]
             exit_code = 0
-        except SystemExit as e:
+        except SystemExit as e:  # not caught by the release's harness either: python3 exits as usual
             if e.code is None or isinstance(e.code, int):
                 exit_code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
                 exit_code = 1
-        except BaseException as e:
+        except _Reported as e:  # the harness prints its report and ends with os._exit(1): what print()
+            # left in stdout's buffer is lost (only what was flushed stays)
+            status = "memory" if isinstance(e.error, MemoryError) else "error"
+            exit_code, flush = 1, (sys.stderr,)
+            try:
+                print(str(e), file=sys.stderr)
+            except MemoryError:
+                os.write(2, type(e.error).__name__.encode() + b"\n")
+        except BaseException as e:  # the harness prints a traceback (then os._exit(1)); python3 does the same for
+            # a KeyboardInterrupt and the like (and then flushes stdout)
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
-            if isinstance(e, SyntaxError):
-                sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
-            else:  # skip our own frame: the traceback starts in <code>
-                traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        for f in (sys.stdout, sys.stderr):
+            flush = (sys.stderr,) if isinstance(e, Exception) else flush
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame on
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for f in flush:
             try:
                 f.flush()
             except BaseException:
@@ -413,6 +428,91 @@ def _child(code, tmp, timeout, cfg, vm, libc, fds):
             pass
     finally:
         os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
+
+
+class _Reported(Exception):
+    """An exception raised by the call's code, with the words the release's harness writes for it."""
+    def __init__(self, error, words):
+        super().__init__(words)
+        self.error = error
+
+
+def _run_as_release(code, scope):
+    """
+    Run `code` in `scope` as the release's code harness does (rStar's rstar2_agent/tools/code_judge_utils.py,
+    python_code_with_standard_io; the code is written anew here, to its behaviour): return the repr of the
+    value of a trailing expression (None when there is none or it is None; the harness prints it after all
+    other output), or raise _Reported for an exception of the code. The steps, each one visible in the
+    output for some code:
+      - the code is parsed once whole (a SyntaxError there is reported against the whole code, in the
+        words of an ast.parse: "(<unknown>, line N)");
+      - if its last statement is an expression, the code is cut by *lines*: the lines before the
+        expression's first line run first, then its lines (`x = 1; x` on one line: the whole line is the
+        "expression", which fails to eval and so runs as a statement, printing nothing);
+      - each piece is compiled from its text as "<string>" (warnings read "<string>:3: ...", and no
+        source line follows: the harness registers no source);
+      - the expression is eval-ed; if that raises (the eval or the repr), its lines run again with exec,
+        side effects and all, and only an exception from that second run is reported, with the line
+        count of the first piece added to its line number.
+    """
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        raise _Reported(e, _release_words(e, code)) from None
+    head, tail = code, None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        lines, last = code.splitlines(), tree.body[-1]
+        head = "\n".join(lines[:last.lineno - 1])
+        tail = "\n".join(lines[last.lineno - 1:last.end_lineno])
+    if head:
+        try:
+            exec(compile(head, "<string>", "exec"), scope)
+        except Exception as e:
+            raise _Reported(e, _release_words(e, head)) from None
+    if tail:
+        try:
+            value = eval(compile(tail, "<string>", "eval"), scope)
+            return None if value is None else repr(value)
+        except Exception:
+            try:
+                exec(compile(tail, "<string>", "exec"), scope)
+            except Exception as e:
+                raise _Reported(e, _release_words(e, tail, len(head.splitlines()))) from None
+    return None
+
+
+def _release_words(e, code, offset=0):
+    """How the release's harness words an exception of `code`: "ErrType at line N: message\\n  <line N of
+    code>", where N is the exception's own `lineno` if it has one (a SyntaxError's, but also e.g. a
+    JSONDecodeError's line in the JSON text) or else the line of the innermost frame of its traceback
+    (which may be a library's, or a function's defined elsewhere), plus `offset`; when line N is not a
+    line of `code` (a trailing expression's error after other code, a library's line 900): "ErrType:
+    message"."""
+    if hasattr(e, "lineno"):
+        n = e.lineno
+    else:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        n = -1 if tb is None else tb.tb_lineno
+    name, lines = type(e).__name__, code.splitlines()
+    if isinstance(n, int) and n != -1 and 0 <= n + offset - 1 < len(lines):
+        return f"{name} at line {n + offset}: {e}\n  {lines[n + offset - 1]}"
+    return f"{name}: {e}"
+
+
+def _deadline(signum, frame):
+    """A call's own alarm, due at its deadline (a moment before the worker would kill it): flush what the
+    code printed and end the call, as the release's alarm handler does (it prints "Suicide from timeout."
+    with flush=True, which the tool response adds). The worker reads the call's status from fd 3."""
+    try:
+        sys.stdout.flush()
+    except BaseException:  # e.g. the code was inside a write to stdout: what is in the buffer is lost
+        pass
+    try:
+        os.write(3, b"\0timeout")
+    finally:
+        os.killpg(0, signal.SIGKILL)  # the call's process group, this process included
 
 
 def _rmtree(path):

@@ -350,6 +350,20 @@ def test_tool_response_text_of_real_runs():
         "Tool call failure\nreason: worker_timeout\nstdout: before\nSuicide from timeout.\n\nexecution time: 1.00s")
     assert agent.tool_response_text(empty) == "Tool call success\nexecution time: 0.01s"
 
+
+def test_tool_response_text_through_the_sandbox_is_the_release_text():
+    # end to end: code run in the real sandbox, worded by the formatter, against the release's text for the
+    # same code (its harness's stdout/stderr, checked by running it; tests/test_sandbox.py has the cases).
+    # Only the execution time is ours by design (0.01 s, a timeout its limit: see agent's docstring).
+    with SandboxPool(workers=2, timeout=1.0) as pool:
+        err, value, slow = pool.map(["print('lost')\nx = [1, 2]\ny = x[2]\nprint(y)", "print('a')\n6 * 7",
+                                     "print('before')\nimport time\ntime.sleep(10)"])
+    assert agent.tool_response_text(err) == release_text(
+        False, "", "", "IndexError at line 3: list index out of range\n  y = x[2]\n", 0.01)
+    assert agent.tool_response_text(value) == release_text(True, "", "a\n42\n", "", 0.01)
+    assert agent.tool_response_text(slow) == release_text(
+        False, "worker_timeout", "before\nSuicide from timeout.\n", "", 1.0)
+
 # -----------------------------------------------------------------------------
 # answers and reward
 
