@@ -35,10 +35,11 @@ tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's multi_turn defa
 How a sandbox result maps onto code-judge's report (run with the README's MAX_EXECUTION_TIME=4):
     ok        success; stdout is what was printed, then the repr of a trailing expression (our `value`,
               which the release's harness prints too: IPython-style, and only when it is not None)
-    error     failure, reason "", no stdout: the harness ends with os._exit(1), which drops what print()
-              left in the pipe's buffer; stderr is the error
-    memory    failure, reason "", no stdout (the MemoryError is an error to the harness)
-    crash     failure, reason "", no stdout (a process killed by a signal does not flush either)
+    error     failure, reason "", stderr "ErrType at line N: msg" + the line (the harness's words); stdout
+              only what was flushed: the harness ends with os._exit(1), which drops what print() left
+              in the buffer (sandbox_worker.py runs code the same way, so Result.stdout is just that)
+    memory    failure, reason "", the same (the MemoryError is an error to the harness)
+    crash     failure, reason "", the same (a process killed by a signal does not flush either)
     timeout   failure, reason worker_timeout, stdout = what was printed + "Suicide from timeout.\n" (the
               alarm handler's words, printed with flush=True)
     overloaded  the release retries a queue timeout 4 times, then the call raises: "Error when executing
@@ -64,12 +65,9 @@ Where we cannot be identical (the release's text depends on things we do not hav
   pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
   the whole failed batch, other trajectories' calls included;
 - a timeout always adds "Suicide from timeout." (the release's CPU-rlimit kill, which can come first
-  inside a long C call, prints nothing), and error drops stdout also after sys.exit(n != 0), which the
-  release keeps (SystemExit is not caught by its harness);
-- what is in stdout and stderr is the sandbox's, and differs from the release's harness: a traceback
-  where the harness writes "NameError at line 3: ...\n  <the line>", warnings from <code> instead of
-  <string>, and a trailing expression's repr only when nothing was printed (the harness prints it
-  after the output too).
+  inside a long C call, prints nothing);
+- the sandbox runs Python 3.11 where code-judge's image has 3.12, so a few error messages differ
+  (sandbox_worker.py lists what else of its harness cannot be the same).
 """
 
 import atexit
@@ -242,7 +240,7 @@ def tool_response_text(result, max_chars=256):
     elif status == "timeout":
         head, stdout = ["Tool call failure", "reason: worker_timeout"], stdout + "Suicide from timeout.\n"
     elif status in ("error", "memory", "crash"):
-        head, stdout = ["Tool call failure", "reason: "], ""
+        head = ["Tool call failure", "reason: "]  # stdout: only what the harness had flushed (the sandbox's)
     else:
         raise ValueError(f"unknown sandbox result status {status!r}")
     stdout, stderr = stdout[:OUTPUT_CAP], _without_notes(result.stderr)[:OUTPUT_CAP]

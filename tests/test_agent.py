@@ -266,25 +266,27 @@ def release_text(run_success, reason, stdout, stderr, cost, max_chars=256):
     return text
 
 
-TB = "Traceback (most recent call last):\n  File \"<code>\", line 2, in <module>\nNameError: name 'prnt' is not defined\n"
+TB = "NameError at line 2: name 'prnt' is not defined\n  prnt(1)\n"  # the harness's words (sandbox_worker.py)
 LONG = "".join(f"{i}\n" for i in range(2000))
 # a sandbox result of each kind, and the fields code-judge reports for the same run (MAX_EXECUTION_TIME=4):
 # (run_success, reason, stdout, stderr, cost). The cost is not measured on our side (see agent's docstring):
 # 0.01 s, a timeout its limit
 KINDS = {
     "success": (result("ok", stdout="42\n", duration=0.012), (True, "", "42\n", "", 0.01)),
-    "stdout and stderr": (result("ok", stdout="1\n", stderr="<code>:2: UserWarning: w\n  warn('w')\n"),
-                          (True, "", "1\n", "<code>:2: UserWarning: w\n  warn('w')\n", 0.01)),
+    "stdout and stderr": (result("ok", stdout="1\n", stderr="<string>:2: UserWarning: w\n  warn('w')\n"),
+                          (True, "", "1\n", "<string>:2: UserWarning: w\n  warn('w')\n", 0.01)),
     "trailing expression": (result("ok", value="(17, 110)", duration=0.004), (True, "", "(17, 110)\n", "", 0.01)),
     "empty output": (result("ok", duration=0.0), (True, "", "", "", 0.01)),
-    # the harness exits with os._exit(1): what print() left in the pipe's buffer is lost
-    "exception": (result("error", stdout="partial\n", stderr=TB, duration=0.05), (False, "", "", TB, 0.01)),
+    # the harness exits with os._exit(1): only what was flushed before the error is shown (the sandbox's
+    # stdout holds exactly that)
+    "exception": (result("error", stderr=TB, duration=0.05), (False, "", "", TB, 0.01)),
+    "flushed, then exception": (result("error", stdout="partial\n", stderr=TB), (False, "", "partial\n", TB, 0.01)),
     "exit status": (result("error", duration=0.05), (False, "", "", "", 0.01)),
     "timeout": (result("timeout", stdout="before\n", stderr="[sandbox] timeout: killed after 4 s", duration=4.003),
                 (False, "worker_timeout", "before\nSuicide from timeout.\n", "", 4.0)),
     "memory": (result("memory", stderr="Traceback (most recent call last):\nMemoryError\n"),
                (False, "", "", "Traceback (most recent call last):\nMemoryError\n", 0.01)),
-    "crash": (result("crash", stdout="lost", stderr="[sandbox] killed by signal SIGSEGV", duration=0.02),
+    "crash": (result("crash", stderr="[sandbox] killed by signal SIGSEGV", duration=0.02),
               (False, "", "", "", 0.01)),
     "long output": (result("ok", stdout=LONG, stderr="warn\n[sandbox] stdout truncated: 9 more bytes dropped (cap 9)"),
                     (True, "", LONG, "warn\n", 0.01)),
