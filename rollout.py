@@ -64,7 +64,6 @@ class Trajectory:
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
     meta: dict = field(default_factory=dict)
-    text: str = ""  # the decoded response, for the reward
 
 
 WAITING, DECODE, TOOLS = "waiting", "decode", "tools"  # a row's states (see Row)
@@ -105,7 +104,8 @@ def row_generator(seed, key, device):
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
-                 prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None):
+                 prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None,
+                 deterministic=False):
         """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
         share of a row's response budget promised to it at admission (1 = the whole budget, no
         over-commit); max_rows: most rows at once (default: as many reservations of reserve x max_len as
@@ -117,6 +117,10 @@ class Engine:
         if not 0 <= reserve <= 1:
             raise ValueError(f"reserve is a share of the response budget, in [0, 1]: got {reserve}")
         self.reserve = reserve
+        # wait for every tool answer before the next step (no overlap of tools and decoding), so which rows
+        # share a forward never depends on how fast the tools answered: on CPU a matmul over 1-5 rows
+        # rounds differently from one over 16+, and a flipped sampled token changes the rest of a rollout
+        self.deterministic = deterministic
         param = next(model.parameters())
         self.device = param.device
         page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
@@ -170,6 +174,8 @@ class Engine:
                 self.claimed(reqs, free, rows, budget)
             # 2. parked rows whose tool answers have all arrived get them appended
             todo = []
+            if self.deterministic:
+                concurrent.futures.wait([f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f])
             for row in [r for r in rows.values() if r.state == TOOLS]:
                 if all(f is None or f.done() for _, f in row.calls):
                     todo += self.resume(row)
@@ -201,7 +207,6 @@ class Engine:
                 del rows[row.slot]
                 self.cache.release(row.slot)
                 free.append(row.slot)
-                row.traj.text = self.tok.decode(row.traj.response_ids)
                 self.log("finish", row, reason=row.traj.finish)
                 done.append(row.traj)
                 if on_finish is not None:

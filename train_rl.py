@@ -73,6 +73,7 @@ top_p = 1.0
 kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
+deterministic = False  # True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
 scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
 tool_workers = 0  # sandbox workers per rank; 0 = number of cores
 tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
@@ -213,7 +214,9 @@ n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per
 grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars, reserve=kv_reserve)
+                tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic)
+if deterministic and world > 1:
+    scheduler = "static"  # which rank generates a request must not depend on timing either
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")

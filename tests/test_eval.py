@@ -61,7 +61,7 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
-                   turns=turns, finish=finish, meta={"answer": gold}, text=text)
+                   turns=turns, finish=finish, meta={"answer": gold})
     t.meta.update(reward=agent.reward(text, gold), pred=agent.extract_answer(text))
     return t
 

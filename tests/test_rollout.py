@@ -279,12 +279,12 @@ def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
     prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:6]]
     reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
     results = {}
-    for name, kv, reserve in (("large", 12 * 240, 1.0), ("small", 240, 0.0)):
+    for name, kv, reserve in (("large", 12 * 320, 1.0), ("small", 320, 0.0)):
         forced = ForcedTurns(model, tok)
         tools = SlowTools({"print(%d)" % v: 0.02 * (v % 3) for v in range(20)}) if with_tools else None
-        engine = Engine(forced, tok, kv_capacity=kv, max_len=240, temperature=temperature, seed=5, tools=tools,
+        engine = Engine(forced, tok, kv_capacity=kv, max_len=320, temperature=temperature, seed=5, tools=tools,
                         reserve=reserve, max_rows=12, page_size=4)
-        trajs = engine.run(iter_claim(reqs), 200)
+        trajs = engine.run(iter_claim(reqs), 280)
         results[name] = {t.key: t for t in trajs}
         assert len(trajs) == 12
         # the pool: pages in use are exactly the pages the row tables hold, never more than the pool
