@@ -46,6 +46,7 @@ def sh(done, *args):
 
 
 def evaluate(model, name):
+    name = name.replace(" ", "_").replace("+", "")  # a directory name: "bf16 engine + TIS" -> bf16_engine__TIS
     sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
        f"--out_dir={out}/eval_{name}", f"--seed={seed}")
     with open(f"{out}/eval_{name}/summary.json") as f:
