@@ -22,4 +22,4 @@ dtype = "bfloat16"
 kv_capacity = 0              # 0 = from free accelerator memory after weights
 tool_workers = 64            # sandbox workers per rank (a node has 8 ranks: 512 per node)
 save_every = 20
-dump_every = 50              # a dump holds all 16,384 rollouts of the step (~1 GB of JSON before gzip)
+dump_every = 50              # a dump holds all 16,384 rollouts of a step: ~1 GB of JSON at 4K tokens each (estimate)
