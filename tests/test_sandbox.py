@@ -97,7 +97,9 @@ HOSTILE = [  # (name, code, stdin, status, text expected in stdout or stderr)
     ("alloc_gradually", "xs = []\nwhile True:\n    xs.append(bytearray(10**7))", "", "memory", "MemoryError"),
     ("fork_bomb_300", "import os, time\nfor i in range(300):\n    if os.fork() == 0:\n        time.sleep(100)\n"
      "        os._exit(0)\nprint('all forked')", "", "error", "Resource temporarily unavailable"),
-    ("write_repo", f"open({os.path.join(REPO, 'pwned.txt')!r}, 'w').write('x')", "", "error", "Read-only file system"),
+    # read-only where the view binds it; "Permission denied" when the checkout is under /tmp, where the call sees
+    # an empty directory of its private /tmp in its place (test_hostile then checks the host has no such file)
+    ("write_repo", f"open({os.path.join(REPO, 'pwned.txt')!r}, 'w').write('x')", "", "error", "Error at line 1: [Errno"),
     ("write_root", "open('/pwned.txt', 'w').write('x')", "", "error", "Read-only file system"),
     ("print_100MB", "print('x' * 10**8)", "", "ok", "stdout truncated"),
     ("stdin_past_end", "print(input())\nprint(input())", "only one line\n", "error", "EOFError"),
@@ -132,6 +134,8 @@ def test_hostile(pool, name, code, stdin, status, text):
         assert len(r.stdout.encode()) <= pool.output_cap and r.stdout.startswith("xxxx")
     if name in ("thread_left_running", "child_ignores_sigterm"):  # answered at once, then cleaned up
         assert r.duration < 1.0, r
+    if name == "write_repo":
+        assert not os.path.exists(os.path.join(REPO, "pwned.txt"))
     check_host_and_pool(pool, before)
 
 
@@ -514,7 +518,7 @@ def test_async_front_from_a_background_thread_and_overloaded():
     assert fast.status == "overloaded" and 0.25 < fast.duration < 0.9 and "queue_timeout" in fast.stderr, fast
     assert [r.stdout for r in honest] == ["0\n", "1\n", "4\n"]
     assert [r.status for r in in_thread] == ["ok", "overloaded"]
-    assert descendants() == before
+    assert descendants() <= before  # nothing of this pool is left (another test's process may end meanwhile)
 
 
 def test_unshare_fallback(planted):
