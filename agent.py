@@ -266,6 +266,23 @@ def tool_suffix_ids(tokenizer, responses):
 # -----------------------------------------------------------------------------
 # SFT: OpenAI-format messages -> the same ids a rollout would produce, plus the loss mask
 
+def read_tool_call(call, i):
+    """(name, arguments as a dict) of one OpenAI-format tool call of message i ({"function": {"name",
+    "arguments"}} or the function object itself; arguments may be a JSON string). Raises ValueError."""
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
+        raise ValueError(f"message {i}: a tool call needs function.name and function.arguments")
+    args = fn["arguments"]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"message {i}: tool call arguments are not valid JSON ({e})") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"message {i}: tool call arguments must be a JSON object")
+    return fn["name"], args
+
+
 def conversation_segments(messages):
     """
     Split a conversation into (text, mask) pieces in rollout order: the prompt (0), each assistant turn
@@ -302,17 +319,9 @@ def conversation_segments(messages):
             text = content[len("<reason>"):]
             calls = m.get("tool_calls") or []
             for call in calls:
-                fn = call.get("function", call) if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
-                    raise ValueError(f"message {i}: tool call needs function.name and function.arguments")
-                args = fn["arguments"]
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"message {i}: tool call arguments are not valid JSON: {e}") from None
+                name, args = read_tool_call(call, i)
                 # same bytes as the template: {"name": "...", "arguments": <tojson>}
-                text += "\n<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+                text += "\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
             segments.append((text + END, 1))
             pending = len(calls)
             if not calls and i != len(messages) - 1:
@@ -509,14 +518,18 @@ class Grader:
         self.pending = {}
 
     def __call__(self, traj):
-        turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
-        graded = traj.finish != "length" or self.score_truncated
-        fut = self.pool.submit(reward, turns, traj.meta["answer"], self.timeout) if graded else None
-        self.pending[traj.key] = (fut, count_answers(turns), extract_answer(turns))
+        # everything, decoding included, on the grader's thread: the engine only hands the trajectory over
+        self.pending[traj.key] = self.pool.submit(self.grade, traj.response_ids, traj.mask, traj.finish,
+                                                  traj.meta["answer"])
+
+    def grade(self, ids, mask, finish, gold):
+        turns = sampled_turns(self.tok, ids, mask)
+        graded = finish != "length" or self.score_truncated
+        return {"reward": reward(turns, gold, self.timeout) if graded else 0.0, "answers": count_answers(turns),
+                "pred": extract_answer(turns)}
 
     def results(self):
-        out = {key: {"reward": fut.result() if fut else 0.0, "answers": n, "pred": pred}
-               for key, (fut, n, pred) in self.pending.items()}
+        out = {key: fut.result() for key, fut in self.pending.items()}
         self.pending = {}
         return out
 

@@ -193,11 +193,12 @@ def dump_step(step, groups):
         for b, group in enumerate(groups):
             rs = {t.meta["reward"] for t in group}
             kind = "mixed" if len(rs) > 1 else "all_correct" if rs == {1.0} else "all_wrong"
+            prompt = tokenizer.decode(group[0].prompt_ids)  # the samples of a group share their prompt
             for t in group:
                 ids, mask, i = t.response_ids, t.mask, t.meta["problem"]
                 f.write(json.dumps({
                     "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
-                    "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
+                    "answer": t.meta["answer"], "prompt": prompt,
                     "segments": agent.mask_runs(tokenizer, ids, mask),
                     "response_ids": ids, "mask": mask, "reward": t.meta["reward"], "finish": t.finish,
                     "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind,

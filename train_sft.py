@@ -82,20 +82,10 @@ def check_chat(messages, tools):
         pending = len(calls) if role == "assistant" else max(0, pending - 1)
         fixed = []
         for call in calls:
-            fn = call.get("function", call) if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
-                raise ValueError(f"message {i}: a tool call needs function.name and function.arguments")
-            if fn["name"] not in names:
-                raise ValueError(f"message {i}: calls {fn['name']!r}, which is not in the conversation's tools")
-            args = fn["arguments"]
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"message {i}: tool call arguments are not valid JSON ({e})") from None
-            if not isinstance(args, dict):
-                raise ValueError(f"message {i}: tool call arguments must be a JSON object")
-            fn = dict(fn, arguments=args)
+            name, args = agent.read_tool_call(call, i)
+            if name not in names:
+                raise ValueError(f"message {i}: calls {name!r}, which is not in the conversation's tools")
+            fn = dict(call.get("function", call), arguments=args)
             fixed.append(dict(call, function=fn) if "function" in call else fn)
         out.append(dict(m, tool_calls=fixed) if calls else m)
     if pending or messages[-1]["role"] != "assistant":

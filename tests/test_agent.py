@@ -149,7 +149,7 @@ def test_render_conversation_ids_and_mask(tok):
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<reason>a", "tool_calls": [call("1"), call("2")]},
       {"role": "tool", "content": "5"}, {"role": "assistant", "content": "<reason>b"}], "message 2: 1 tool message"),
     ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<reason>a", "tool_calls": [{"type": "function"}]}],
-     "message 1: tool call needs"),
+     "message 1: a tool call needs"),
     ([{"role": "user", "content": "q"}, {"role": "user", "content": "q2"}], "message 1: unexpected user"),
     ([{"role": "user", "content": 3}], "message 0: user content must be a string"),
     ([{"role": "user", "content": "q"}], "the conversation must end"),
