@@ -521,6 +521,7 @@ class Grader:
         # everything, decoding included, on the grader's thread: the engine only hands the trajectory over
         self.pending[traj.key] = self.pool.submit(self.grade, traj.response_ids, traj.mask, traj.finish,
                                                   traj.meta["answer"])
+        return self.pending[traj.key]
 
     def grade(self, ids, mask, finish, gold):
         turns = sampled_turns(self.tok, ids, mask)

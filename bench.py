@@ -6,6 +6,7 @@ they print tables with both sides and the ratio; nothing asserts a speed.
     python bench.py            # a, l, b and c below (~5 minutes on one thread of a 2-core CPU)
     python bench.py a          # or l, b, c, p (p: profile, not part of the default run)
     python bench.py sandbox    # the tool sandbox pool vs a fresh python3 per call (~3 minutes)
+    python bench.py scale      # what crosses ranks after a rollout phase, before / after, at 64-GPU scale
     python bench.py --threads=2 --reps=5
 
 The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
@@ -71,6 +72,7 @@ import transformers
 
 import agent
 import data
+import rollout
 import sandbox
 from common import collate
 from grpo_roc import policy_loss
@@ -654,6 +656,122 @@ def sandbox_bench(isolation, timeout=4.0):
 
 
 # -----------------------------------------------------------------------------
+# (scale) what crosses ranks after a stage-1 rollout phase, before and after compact trajectories
+
+PAPER_RANKS, PAPER_TRAJS = 64, 16384  # 512 prompts x 32 rollouts on 64 GPUs
+
+
+def synthetic_trajectories(rank, n, mean_tokens, seed=0):
+    """n stage-1-like rollouts of one rank: a ~300-token prompt, a lognormal response around mean_tokens
+    (cut at 8K, like stage 1's budget), ~80% of it sampled, 2-3 tool calls with ~200 chars of code and output."""
+    import random
+    rng = random.Random(seed * 1000 + rank)
+    sigma = 0.6
+    mu = math.log(mean_tokens - 300) - sigma ** 2 / 2
+    out = []
+    for i in range(n):
+        p, r = 300, min(8192, max(16, int(rng.lognormvariate(mu, sigma))))
+        mask = [int(rng.random() < 0.8) for _ in range(r)]
+        calls = [{"code": "x" * 200, "stdin": "", "status": rng.choice(["ok", "ok", "error"]),
+                  "output": "y" * 200, "duration": 0.01} for _ in range(rng.choice([2, 3]))]
+        out.append(rollout.Trajectory(
+            key=(0, (rank * n + i) // 32, (rank * n + i) % 32), prompt_ids=[rng.randrange(151936) for _ in range(p)],
+            response_ids=[rng.randrange(151936) for _ in range(r)], mask=mask,
+            logprobs=[-rng.random() if m else 0.0 for m in mask], tool_calls=calls, turns=len(calls) + 1,
+            finish="stop", meta={"answer": "42", "problem": i, "reward": float(rng.random() < 0.5), "answers": 1,
+                                 "pred": "42"}))
+    return out
+
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def scale_worker(rank, world, init, variant, n, mean_tokens, results):
+    import gc
+    import pickle
+    import resource
+    import scheduler
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mine = synthetic_trajectories(rank, n, mean_tokens)
+    tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in mine)
+    gc.collect()
+    t_gc0 = time.perf_counter()
+    gc.collect()  # a full pass over what the rank holds anyway (its own trajectories)
+    t_gc0 = time.perf_counter() - t_gc0
+    dist.barrier()
+    rss0 = rss_mib()
+    t0 = time.perf_counter()
+    if variant == "before":  # every rank unpickles every rank's trajectories, Python lists and all
+        everything = [None] * world
+        dist.all_gather_object(everything, mine)
+        secs = time.perf_counter() - t0
+        gathers = {"all_gather_object(trajectories)": (sum(len(pickle.dumps(p)) for p in everything), secs)}
+    else:  # every rank gets the summaries; the tokens of half the trajectories move, to the rank that trains them
+        summaries = scheduler.gather_summaries(mine)
+        t1 = time.perf_counter()
+        kept = summaries[::2]  # RoC keeps G of 2G
+        dest = {s.key: j % world for j, s in enumerate(kept)}
+        got = scheduler.exchange(mine, dest)
+        t2 = time.perf_counter()
+        sent = [scheduler.compact(t) for t in mine if t.key in dest]
+        gathers = {"gather_summaries": (len(pickle.dumps(summaries)), t1 - t0),
+                   "exchange (tokens, in + out)": (len(pickle.dumps(got)) + len(pickle.dumps(sent)), t2 - t1)}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
+    t_gc = time.perf_counter()
+    gc.collect()
+    t_gc = time.perf_counter() - t_gc - t_gc0  # what the gathered objects add to a full GC pass
+    results[rank, variant] = {"gathers": gathers, "peak_mib": peak, "gc_s": t_gc, "tokens": tokens, "n": n}
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
+    """(scale) One stage-1 step's post-rollout data movement on `world` gloo ranks, before (all_gather_object of
+    every Trajectory, Python lists) and after (scheduler.gather_summaries + scheduler.exchange of compact
+    arrays), each in fresh processes; per rank: bytes received, seconds, peak RSS growth, the GC pass after;
+    then the same extrapolated to 64 ranks x 16,384 trajectories by the measured cost per byte and per
+    trajectory (loopback here: a real network adds its transfer time, the same for both)."""
+    import torch.multiprocessing as mp
+    print(f"(scale) {world} gloo ranks x {per_rank} synthetic stage-1 trajectories (~{mean_tokens} tokens, lognormal), "
+          f"load average {load():.2f}")
+    results = mp.Manager().dict()
+    for variant in ("after", "before"):
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(scale_worker, args=(world, os.path.join(d, "init"), variant, per_rank, mean_tokens, results),
+                     nprocs=world, join=True)
+    print(f"{'variant':7s} {'gather':32s} {'rank':>4s} {'MiB in':>9s} {'s':>7s} {'peak RSS +MiB':>14s} {'gc s':>6s}")
+    extra = {}
+    for variant in ("before", "after"):
+        for rank in range(world):
+            r = results[rank, variant]
+            for name, (nbytes, secs) in r["gathers"].items():
+                print(f"{variant:7s} {name:32s} {rank:4d} {nbytes / 2**20:9.1f} {secs:7.2f} {r['peak_mib']:14.0f} "
+                      f"{r['gc_s']:6.2f}")
+        r = results[0, variant]
+        n_all = world * r["n"]
+        scale = PAPER_TRAJS / n_all  # how many more trajectories a step has at the paper's size
+        if variant == "before":  # every rank receives all of them
+            secs = sum(s for _, s in r["gathers"].values()) * scale
+            mib = sum(b for b, _ in r["gathers"].values()) * scale / 2**20
+            peak = r["peak_mib"] * scale
+        else:  # summaries of all; tokens of its own 1/64 share
+            (bs, ss), (bx, sx) = r["gathers"].values()
+            mine = PAPER_TRAJS / PAPER_RANKS / r["n"]
+            secs, mib = ss * scale + sx * mine, (bs * scale + bx * mine) / 2**20
+            peak = r["peak_mib"] * mine  # (dominated by the tokens it receives)
+        extra[variant] = (mib, secs + r["gc_s"] * scale, peak)
+    print(f"\nextrapolated to {PAPER_RANKS} ranks x {PAPER_TRAJS} trajectories, per rank per step:")
+    for variant, (mib, secs, peak) in extra.items():
+        print(f"  {variant:7s} {mib / 1024:7.2f} GiB received, {secs:6.2f} s (+ gc), peak RSS +{peak / 1024:6.2f} GiB")
+    b, a = extra["before"], extra["after"]
+    print(f"goal (after): under 1 s and under 1 GiB per rank per step: {a[1]:.2f} s, {a[2] / 1024:.2f} GiB | "
+          f"x{b[1] / max(a[1], 1e-9):.0f} faster, x{b[2] / max(a[2], 1e-9):.0f} less memory than before")
+
+
+# -----------------------------------------------------------------------------
 
 def update_step(model, reps, n=64, prompt=60, response=40):
     """(u) the policy update of one RL step on n kept trajectories, two ways side by side: with the "old"
@@ -734,9 +852,12 @@ if __name__ == "__main__":
     ap.add_argument("--efficiency", type=float, default=None,
                     help="(c) without (a): the share of the bound to simulate with (default: measure it)")
     ap.add_argument("--isolation", default="auto", help="sandbox: auto, bwrap, unshare or none")
+    ap.add_argument("--per_rank", type=int, default=1024, help="scale: trajectories per rank")
     args = ap.parse_args()
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
+    if args.sections == ["scale"]:
+        sys.exit(scale_bench(per_rank=args.per_rank))
     unknown = set(args.sections) - set("albkcpug")
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b k c p u g")

@@ -2,18 +2,33 @@
 Shared plumbing for the entry scripts: torchrun init, printing on rank 0, the step logger, and
 checkpoints (HF-format weights + trainer state) that `--resume` finds again.
 """
+import datetime
+import glob
+import heapq
 import json
 import os
 import random
+import shutil
 import time
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 
-def compute_init(seed=0):
-    """torchrun env vars -> (rank, world, device). gloo on CPU, nccl (RCCL on ROCm) on GPU."""
+# a single process saves and loads its checkpoints with torch.distributed.checkpoint too: it says so each time
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+_cpu_group = None  # a gloo group next to nccl's: Python objects cross ranks over it (see cpu_group)
+
+
+def compute_init(seed=0, timeout_s=1800):
+    """torchrun env vars -> (rank, world, device). gloo on CPU, nccl (RCCL on ROCm) on GPU.
+    timeout_s bounds every collective: a rank that waits longer for the others (one of them crashed, hangs,
+    or was stopped) raises instead of waiting forever, and torchrun ends the job. It must cover the longest
+    honest wait, the spread between the first and the last rank to finish a rollout phase: `python
+    simulate.py` puts it at 48-114 s in training and 206-352 s for AIME eval at 30K tokens; 30 min is 5x that."""
+    global _cpu_group
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -22,12 +37,22 @@ def compute_init(seed=0):
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+        if device.type == "cuda":  # pickled objects would otherwise travel through GPU memory
+            _cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     # same seed on every rank: the model init and data order agree; rollouts get their own generators
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     return rank, world, device
+
+
+def cpu_group():
+    """The process group for Python objects (trajectories, grades, metrics): gloo, so a gather of pickled
+    bytes moves through host memory, never through accelerator memory next to the KV cache."""
+    return _cpu_group
 
 
 def compute_cleanup():
@@ -42,18 +67,24 @@ def print0(*args, **kwargs):
 
 class Logger:
     """One JSON line per step in run_dir/metrics.jsonl, forwarded to wandb only if asked.
-    On ranks other than 0 every call is a no-op, so call sites never branch."""
+    On ranks other than 0 every call is a no-op, so call sites never branch. A run resumed from the
+    checkpoint of step `resume_step` keeps the rows up to that step only: the steps after it are about
+    to be run again, and each step has one row."""
 
-    def __init__(self, run_dir, wandb_project="", config=None, rank=0, resume=False):
+    def __init__(self, run_dir, wandb_project="", config=None, rank=0, resume_step=None):
         self.active = rank == 0
         self.wandb = None
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a" if resume else "w")
+        path = os.path.join(run_dir, "metrics.jsonl")
+        rows = read_jsonl(path, ()) if resume_step is not None and os.path.exists(path) else []
+        self.file = open(path, "w")
+        self.file.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step)
         if wandb_project:
             import wandb  # optional: only imported when asked for
-            self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir), config=config)
+            self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir), config=config,
+                                    resume="allow" if resume_step is not None else None)
 
     def log(self, step, metrics):
         if not self.active:
@@ -65,71 +96,136 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
 
-def all_gather_dict(d):
-    """Merge a dict from every rank into one, the same on all ranks (single process: d itself)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dict(d)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, d)
-    return {k: v for part in parts for k, v in part.items()}
+def read_jsonl(path, required=("question", "answer")):
+    """Rows of a JSONL file (every script's data and metrics). A missing file or a bad line raises
+    ValueError 'path:line: what is wrong'; `required` fields must be there, question and answer as strings."""
+    rows = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for key in required:
+                if key not in row:
+                    raise ValueError(f"{path}:{lineno}: missing field {key!r}")
+                # answers are compared as text: a JSON number here is almost always a mistake
+                if key in ("question", "answer") and not isinstance(row[key], str):
+                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, got {type(row[key]).__name__}")
+            rows.append(row)
+    return rows
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def read_metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ())
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: out/<run>/step_000300/ = HF weights (+ tokenizer) and trainer state
+# checkpoints: out/<run>/step_000300/
+#   state/                model + optimizer shards, torch.distributed.checkpoint: every rank writes its own part
+#   trainer_state.pt      step, data cursor, RNG (rank 0)
+#   config.json, tokenizer
+#   model*.safetensors    HF weights, only where a person needs them (train_rl: the run's last step and every
+#                         save_hf_every-th save): rank 0 alone gathers and writes those, while the others wait
+# A checkpoint is written as step_X.tmp/ and renamed when it is complete, so a run killed mid-save, or out of
+# disk, leaves no step_X/ behind: --resume takes the newest complete one.
 
 def checkpoint_dir(run_dir, step):
     return os.path.join(run_dir, f"step_{step:06d}")
 
 
-def latest_checkpoint(run_dir):
-    steps = [d for d in os.listdir(run_dir) if d.startswith("step_")] if os.path.isdir(run_dir) else []
-    return os.path.join(run_dir, max(steps)) if steps else None
+def has_weights(path):
+    """Does path hold HF weights (what eval.py and transformers load)?"""
+    return bool(glob.glob(os.path.join(path, "model*.safetensors")))
+
+
+def checkpoints(run_dir):
+    """The complete checkpoints of a run, oldest first."""
+    return sorted(p for p in glob.glob(os.path.join(run_dir, "step_[0-9]*")) if not p.endswith(".tmp"))
+
+
+def latest_checkpoint(run_dir, weights=False):
+    """The newest complete checkpoint of run_dir (weights=True: the newest with HF weights), or None."""
+    found = [p for p in checkpoints(run_dir) if has_weights(p) or not weights]
+    return found[-1] if found else None
 
 
 def load_trainable(path, device, dtype, activation_checkpointing=False):
     """The model to train, fp32 master weights: under torchrun FSDP2 shards (dtype = compute dtype), each
-    rank reading only its own rows of the checkpoint; else one plain fp32 copy. Build the optimizer after
-    this: FSDP replaces the parameters it shards."""
+    rank reading only its own part of the checkpoint; else one plain fp32 copy. A checkpoint's own shards
+    (state/) are read when it has them, else its HF weights. Build the optimizer after this: FSDP
+    replaces the parameters it shards."""
     from model import load_model, load_weights, shard_model
+    model = load_model(path, device="meta")
     if dist.is_initialized():
-        model = load_model(path, device="meta")
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
-        load_weights(model, path, device)
+    if os.path.isdir(os.path.join(path, "state")):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        model.to_empty(device=device)
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=os.path.join(path, "state"))
+        set_model_state_dict(model, sd["model"])
     else:
-        model = load_model(path, device=device, dtype=torch.float32)
+        load_weights(model, path, device)
     model.gradient_checkpointing = activation_checkpointing
     return model.train()
 
 
-def save_checkpoint(path, model, optimizer, tokenizer, state):
-    """HF-format weights via model.save_model, the optimizer with torch.distributed.checkpoint (each
-    rank writes only its own shards), and a small state dict (step, data cursor, RNG) from rank 0."""
+def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):
+    """Write the checkpoint `path` (layout above), with HF weights in hf_dtype unless it is None; then keep
+    the newest `keep` complete checkpoints of its run (0: all), and every one with HF weights."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from model import save_model
-    save_model(model, path)
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, "optimizer"))
-    if int(os.environ.get("RANK", 0)) == 0:
-        tokenizer.save_pretrained(path)
+    rank0, tmp = int(os.environ.get("RANK", 0)) == 0, path + ".tmp"
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
+        os.makedirs(tmp)
+    barrier()
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=os.path.join(tmp, "state"))
+    if hf_dtype is not None:
+        save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
+    if rank0:
+        if hf_dtype is None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
+        tokenizer.save_pretrained(tmp)
         state = {**state, "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
                  "rng_torch": torch.get_rng_state()}
-        torch.save(state, os.path.join(path, "trainer_state.pt"))
-    if dist.is_initialized():
-        dist.barrier()
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    barrier()
+    if rank0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)  # now it is complete
+        for old in checkpoints(os.path.dirname(path))[:-keep] if keep else []:
+            if not has_weights(old):
+                shutil.rmtree(old)
+    barrier()
 
 
 def load_trainer_state(path, model, optimizer):
-    """Restore optimizer shards and RNG from a checkpoint written by save_checkpoint; returns the state
-    dict (step, cursor, ...). The weights are loaded by the caller (model.load_model / load_weights)."""
+    """Restore the optimizer shards and RNG of a checkpoint written by save_checkpoint; returns its state
+    dict (step, cursor, ...). The weights are load_trainable's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(osd, checkpoint_id=os.path.join(path, "optimizer"))
+    dcp.load(osd, checkpoint_id=os.path.join(path, "state"))
     set_optimizer_state_dict(model, optimizer, osd["optimizer"])
     state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
     random.setstate(state["rng_python"])
@@ -138,38 +234,52 @@ def load_trainer_state(path, model, optimizer):
     return state
 
 
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
 # -----------------------------------------------------------------------------
 # token-balanced packing, shared by SFT and RL
 
 def pack(lengths, max_tokens, world=1):
     """Split sequences into world × M bins of at most max_tokens tokens (M the same on every rank, so
-    all ranks run the same number of forward/backward passes): longest first into the emptiest bin.
-    Every rank computes the same bins from the same lengths; bin j belongs to rank j % world."""
+    all ranks run the same number of forward/backward passes): longest first into the emptiest bin
+    (a heap: O(n log n)). Every rank computes the same bins from the same lengths; bin j belongs to rank
+    j % world. A sequence longer than max_tokens fits no bin: ValueError."""
+    if lengths and max(lengths) > max_tokens:
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro={max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     m = max(1, -(-sum(lengths) // (world * max_tokens)))
     while True:
-        bins, load = [[] for _ in range(world * m)], [0] * (world * m)
-        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-            j = min(range(len(bins)), key=load.__getitem__)
+        bins, heap = [[] for _ in range(world * m)], [(0, j) for j in range(world * m)]
+        for i in order:
+            load, j = heapq.heappop(heap)  # the emptiest bin, the lowest index among equals
             bins[j].append(i)
-            load[j] += lengths[i]
-        if max(load) <= max_tokens or m >= len(lengths):
+            heapq.heappush(heap, (load + lengths[i], j))
+        if max(load for load, _ in heap) <= max_tokens:
             return bins
-        m += 1
+        m += max(1, m // 8)  # more bins per rank; with one sequence per bin everything fits
 
 
 def collate(seqs, device, packed):
-    """Turn sequences (dicts of equal-length per-token lists) into a micro-batch of tensors plus "seg",
-    the attention mask. packed=True: one row (1, N), sequences told apart by segment ids 1, 2, ...
-    (flash-attn's varlen kernel does no work across them). packed=False: a right-padded (n, Lmax)
-    batch with a 0/1 mask — cheaper for SDPA, whose attention over one long packed row would cost
-    O(N²). An empty bin becomes a single zero token (it still joins the FSDP collectives)."""
+    """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
+    (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),
+    sequences told apart by segment ids 1, 2, ... (flash-attn's varlen kernel does no work across them).
+    packed=False: a right-padded (n, Lmax) batch with a 0/1 mask — cheaper for SDPA, whose attention over
+    one long packed row would cost O(N²). An empty bin becomes a single zero token (it still joins the
+    FSDP collectives)."""
     if not seqs:
         seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "elp": [0.0], "tid": [0]}]  # RL's keys
+    lengths = [len(s["ids"]) for s in seqs]
+    cols = {k: [np.asarray(s[k]) for s in seqs] for k in seqs[0]}
     if packed:
-        out = {k: [[x for s in seqs for x in s[k]]] for k in seqs[0]}
-        out["seg"] = [[k + 1 for k, s in enumerate(seqs) for _ in s["ids"]]]
+        out = {k: np.concatenate(v)[None] for k, v in cols.items()}
+        out["seg"] = np.repeat(np.arange(1, len(seqs) + 1), lengths)[None]
     else:
-        width = max(len(s["ids"]) for s in seqs)
-        out = {k: [s[k] + [0] * (width - len(s[k])) for s in seqs] for k in seqs[0]}
-        out["seg"] = [[1] * len(s["ids"]) + [0] * (width - len(s["ids"])) for s in seqs]
-    return {k: torch.tensor(v, device=device) for k, v in out.items()}
+        width = max(lengths)
+        out = {k: np.stack([np.pad(x, (0, width - len(x))) for x in v]) for k, v in cols.items()}
+        out["seg"] = (np.arange(width)[None] < np.array(lengths)[:, None]).astype(np.int64)
+    return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
+            for k, v in out.items()}

@@ -19,6 +19,18 @@ This module makes, offline and from a seed:
 - a random-init tiny Qwen3 saved as an HF directory (safetensors + tokenizer + our chat template).
 
 CPU command (about a minute):  python data.py prepare --out=out/tiny-base --seed=0
+
+It also converts benchmark files you downloaded yourself (we never download) into eval.py's and
+train_rl.py's JSONL, {"question", "answer"(, "id")}:
+
+    python data.py convert IN.parquet [IN2.jsonl ...] OUT.jsonl
+
+It reads parquet or JSONL rows in these layouts:
+  question + answer                          opencompass/AIME2025 (aime2025-I.jsonl, aime2025-II.jsonl)
+  problem + answer (+ solution, id, ...)     HuggingFaceH4/aime_2024, HuggingFaceH4/MATH-500
+  prompt (chat messages) + reward_model.ground_truth   the rStar2-Agent repo's preprocessed parquet
+Integer answers become strings; an `id` / `unique_id` / `problem_idx` column is kept as "id". A bad row
+stops the conversion with "file:row: what is wrong" (rows counted from 1, = the line in JSONL).
 """
 
 import argparse
@@ -26,8 +38,10 @@ import json
 import os
 import random
 import re
+import sys
 
 import agent
+from common import write_jsonl
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
@@ -112,35 +126,6 @@ def make_problems(n, seed, max_digits=6, max_ops=3, exclude=()):
         problems.append({"question": question, "answer": str(eval(expr))})  # expr: our ints and + - * only
     return problems
 
-
-def write_jsonl(path, rows):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def read_jsonl(path, required=("question", "answer")):
-    """Rows of a JSONL file; a bad line raises ValueError 'path:line: what is wrong'."""
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            for key in required:
-                if key not in row:
-                    raise ValueError(f"{path}:{lineno}: missing field {key!r}")
-                # answers are compared as text: a JSON number here is almost always a mistake
-                if key in ("question", "answer") and not isinstance(row[key], str):
-                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, got {type(row[key]).__name__}")
-            rows.append(row)
-    return rows
 
 # -----------------------------------------------------------------------------
 # SFT conversations in the exact protocol, with real tool outputs
@@ -257,7 +242,83 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
     return tokenizer, model
 
 
+# -----------------------------------------------------------------------------
+# the benchmark converter
+
+def convert_row(row):
+    """(question, answer) from one benchmark row in a layout listed in the module docstring; raises ValueError(what)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected an object, got {type(row).__name__}")
+    if "question" in row or "problem" in row:
+        question = row.get("question", row.get("problem"))
+    elif "prompt" in row:
+        prompt = row["prompt"]
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
+            if isinstance(prompt, list) else []
+        if not users:
+            raise ValueError("'prompt' must be a list of chat messages with a user message")
+        question = users[-1]
+    else:
+        raise ValueError(f"no question: expected 'question', 'problem' or 'prompt'; the row has {sorted(row)}")
+    if "answer" in row:
+        answer = row["answer"]
+    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        answer = row["reward_model"]["ground_truth"]
+    else:
+        raise ValueError(f"no answer: expected 'answer' or 'reward_model.ground_truth'; the row has {sorted(row)}")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"the question must be a non-empty string, got {question!r:.80}")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"the answer must be a non-empty string or an integer, got {answer!r:.80}")
+    return question.strip(), answer.strip()
+
+
+def convert(in_paths, out_path):
+    """Read benchmark rows from parquet / JSONL files and write our {"question", "answer"(, "id")} JSONL."""
+    out = []
+    for path in in_paths:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq  # only the converter needs it
+            rows = enumerate(pq.read_table(path).to_pylist(), 1)
+        elif path.endswith((".jsonl", ".json")):
+            with open(path) as f:
+                lines = f.read().splitlines()
+            rows = []
+            for n, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        rows.append((n, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        else:
+            raise ValueError(f"{path}: expected a .parquet or .jsonl file")
+        for n, row in rows:
+            try:
+                question, answer = convert_row(row)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            ids = [row[key] for key in ("id", "unique_id", "problem_idx") if row.get(key) is not None]
+            out.append({"question": question, "answer": answer, **({"id": ids[0]} if ids else {})})
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        for row in out:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return len(out)
+
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["convert"]:
+        if len(sys.argv) < 4:
+            sys.exit("usage: python data.py convert IN.parquet|IN.jsonl [IN2 ...] OUT.jsonl")
+        try:
+            n = convert(sys.argv[2:-1], sys.argv[-1])
+        except (ValueError, OSError) as e:
+            sys.exit(f"convert error: {e}")
+        print(f"wrote {n} problems to {sys.argv[-1]}")
+        sys.exit(0)
     parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
     parser.add_argument("command", choices=["prepare"])
     parser.add_argument("--out", default="out/tiny-base", help="model + tokenizer directory")

@@ -8,21 +8,16 @@ and the mean response length in tokens. configs/eval_aime.py carries exactly tha
 CPU (tiny model):    python eval.py configs/tiny_eval.py --model_path=out/tiny-sft
 one GPU:             python eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
 8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
-convert benchmarks:  python eval.py convert IN.parquet [IN2.jsonl ...] OUT.jsonl
 
 --model_path is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
-directory, whose latest step_*/ checkpoint is used. --data is JSONL, one problem per line:
+directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line:
 {"question": "<bare problem text>", "answer": "<gold answer as a string>"} (other fields are kept and
 ignored). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
-capacity) and every rank gets all trajectories back; rank 0 writes the results.
+capacity). A rank's memory does not grow with the data file: each prompt is tokenized once, a request is
+made when a rank claims it, and a trajectory is let go once graded (written down first by the rank that
+made it, if asked); only per-trajectory summaries cross ranks, and rank 0 writes the results.
 
-`convert` turns benchmark files you downloaded yourself (we never download) into that JSONL. It reads
-parquet or JSONL rows in these layouts:
-  question + answer                          opencompass/AIME2025 (aime2025-I.jsonl, aime2025-II.jsonl)
-  problem + answer (+ solution, id, ...)     HuggingFaceH4/aime_2024, HuggingFaceH4/MATH-500
-  prompt (chat messages) + reward_model.ground_truth   the rStar2-Agent repo's preprocessed parquet
-Integer answers become strings; an `id` / `unique_id` / `problem_idx` column is kept as "id". A bad row
-stops the conversion with "file:row: what is wrong" (rows counted from 1, = the line in JSONL).
+Benchmark files (AIME, MATH-500, the release's parquet) become that JSONL with `python data.py convert`.
 
 Metrics (summary.json, summary.md, printed):
   avg@k          mean over problems of the fraction of its k samples that are correct (= pass@1);
@@ -41,10 +36,11 @@ Metrics (summary.json, summary.md, printed):
                  timeout / memory / crash over all calls), truncation ratio (finish == "length"),
                  max-turns ratio, no-answer ratio
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
-trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them;
---save_trajectories=false skips it for huge runs).
+trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
+order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
 --keep_unsolved=FILE writes the problems whose pass rate is < 1 (the paper's stage-3 filter: 8 samples,
-drop what the policy always solves).
+drop what the policy always solves). Prompts longer than max_prompt_tokens are then skipped, not an
+error: train_rl.py skips them too, so the filter and training agree on which problems exist.
 
 Sampling is reproducible: every trajectory samples from its own generator seeded from
 (seed, 0, problem index, sample index), so a CPU run with the same seed gives the same numbers, and two
@@ -56,6 +52,7 @@ as the released code does).
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -66,8 +63,7 @@ from tqdm import tqdm
 
 import agent
 from rollout import Request
-from common import all_gather_dict
-from scheduler import generate_all
+from scheduler import Lazy, gather, generate, summarize
 
 
 # -----------------------------------------------------------------------------
@@ -102,7 +98,7 @@ def majority_vote(answers):
 
 
 def metrics(groups):
-    """groups: one list of scored trajectories per problem, in sample order. Returns (summary, per_problem)."""
+    """groups: one list of scheduler.Summary per problem, in sample order. Returns (summary, per_problem)."""
     if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
         raise ValueError(f"need the same non-zero number of samples for every problem, got {[len(g) for g in groups]}")
     k = len(groups[0])
@@ -111,20 +107,20 @@ def metrics(groups):
     for i, g in enumerate(groups):
         c = sum(t.meta["reward"] > 0 for t in g)
         win = majority_vote([t.meta["pred"] for t in g])
-        calls = [s["status"] for t in g for s in t.tool_calls]
+        calls = [s for t in g for s in t.calls]
         per_problem.append({
             "index": i, "gold": g[0].meta["answer"], "samples": k, "correct": c, "accuracy": c / k,
             "maj_answer": None if win is None else g[win].meta["pred"],
             "maj_correct": 0.0 if win is None else float(g[win].meta["reward"] > 0),
             "answers": [t.meta["pred"] for t in g],
-            "mean_length": statistics.fmean(len(t.response_ids) for t in g),
+            "mean_length": statistics.fmean(t.n_response for t in g),
             "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
             "truncated": sum(t.finish == "length" for t in g),
         })
     accs = [p["accuracy"] for p in per_problem]
-    lengths = [len(t.response_ids) for t in trajs]
-    model_tokens = [sum(t.mask) for t in trajs]
-    statuses = [s["status"] for t in trajs for s in t.tool_calls]
+    lengths = [t.n_response for t in trajs]
+    model_tokens = [t.n_sampled for t in trajs]
+    statuses = [s for t in trajs for s in t.calls]
     summary = {
         "problems": len(groups), "samples": k,
         "avg@k": statistics.fmean(accs),
@@ -145,191 +141,161 @@ def metrics(groups):
     return summary, per_problem
 
 
-def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False):
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False,
+             prompt_ids=None, on_graded=None):
     """
-    Sample `samples` trajectories for every problem ({"question", "answer"} dicts) with the engine's own
-    sampling settings and tools, `budget` response tokens each; under torchrun the work is shared across
-    ranks. Returns (summary, per_problem, trajectories ordered by (problem, sample)) on every rank.
+    Sample `samples` trajectories for every problem ({"question", "answer"} dicts; prompt_ids: their rendered
+    prompts, if already tokenized) with the engine's own sampling settings and tools, `budget` response tokens
+    each; under torchrun the work is shared across ranks. Memory does not grow with the number of problems:
+    requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
+    sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
+    Returns (summary, per_problem) on every rank.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    requests = [Request(agent.render_prompt(tokenizer, p["question"]), key=(0, i, s), meta={"answer": p["answer"]})
-                for i, p in enumerate(problems) for s in range(samples)]
+    if prompt_ids is None:
+        prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
+    requests = Lazy(len(problems) * samples, lambda j: Request(
+        list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
+        meta={"answer": problems[j // samples]["answer"]}))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     # under torchrun the bar counts this rank's trajectories only, so it has no total
     bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
                unit="traj", dynamic_ncols=True)
     grader = agent.Grader(tokenizer, score_truncated)  # grades off the decode loop
+    waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
+
+    def let_go(block=False):  # the graded trajectories: summarised, handed to on_graded, dropped
+        for t, fut in list(waiting):
+            if block or fut.done():
+                t.meta.update(fut.result())
+                summaries.append(summarize(t))
+                if on_graded is not None:
+                    on_graded(t)
+                waiting.remove((t, fut))
 
     def on_finish(traj):
-        grader(traj)
+        waiting.append((traj, grader(traj)))
         bar.update(1)
+        let_go()
 
-    trajs, _ = generate_all(engine, requests, budget, mode, on_finish, key="eval")
+    generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
     bar.close()
-    grades = all_gather_dict(grader.results())
-    for t in trajs:
-        t.meta.update(grades[t.key])
+    let_go(block=True)
+    trajs = sorted((s for part in gather(summaries) for s in part), key=lambda s: s.key)
     summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
     for row, p in zip(per_problem, problems):
         row.update({"id": p["id"]} if "id" in p else {}, question=p["question"])
-    return summary, per_problem, trajs
-
-
-# -----------------------------------------------------------------------------
-# the benchmark converter
-
-def convert_row(row):
-    """(question, answer) from one benchmark row in a layout listed in the docstring; raises ValueError(what)."""
-    if not isinstance(row, dict):
-        raise ValueError(f"expected an object, got {type(row).__name__}")
-    if "question" in row or "problem" in row:
-        question = row.get("question", row.get("problem"))
-    elif "prompt" in row:
-        prompt = row["prompt"]
-        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
-            if isinstance(prompt, list) else []
-        if not users:
-            raise ValueError("'prompt' must be a list of chat messages with a user message")
-        question = users[-1]
-    else:
-        raise ValueError(f"no question: expected 'question', 'problem' or 'prompt'; the row has {sorted(row)}")
-    if "answer" in row:
-        answer = row["answer"]
-    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
-        answer = row["reward_model"]["ground_truth"]
-    else:
-        raise ValueError(f"no answer: expected 'answer' or 'reward_model.ground_truth'; the row has {sorted(row)}")
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"the question must be a non-empty string, got {question!r:.80}")
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str) or not answer.strip():
-        raise ValueError(f"the answer must be a non-empty string or an integer, got {answer!r:.80}")
-    return question.strip(), answer.strip()
-
-
-def convert(in_paths, out_path):
-    """Read benchmark rows from parquet / JSONL files and write our {"question", "answer"(, "id")} JSONL."""
-    out = []
-    for path in in_paths:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq  # only the converter needs it
-            rows = enumerate(pq.read_table(path).to_pylist(), 1)
-        elif path.endswith((".jsonl", ".json")):
-            with open(path) as f:
-                lines = f.read().splitlines()
-            rows = []
-            for n, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        rows.append((n, json.loads(line)))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        else:
-            raise ValueError(f"{path}: expected a .parquet or .jsonl file")
-        for n, row in rows:
-            try:
-                question, answer = convert_row(row)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-            ids = [row[key] for key in ("id", "unique_id", "problem_idx") if row.get(key) is not None]
-            out.append({"question": question, "answer": answer, **({"id": ids[0]} if ids else {})})
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        for row in out:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return len(out)
+    return summary, per_problem
 
 
 # -----------------------------------------------------------------------------
 # the script
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["convert"]:
-        if len(sys.argv) < 4:
-            sys.exit("usage: python eval.py convert IN.parquet|IN.jsonl [IN2 ...] OUT.jsonl")
-        try:
-            n = convert(sys.argv[2:-1], sys.argv[-1])
-        except (ValueError, OSError) as e:
-            sys.exit(f"convert error: {e}")
-        print(f"wrote {n} problems to {sys.argv[-1]}")
-        sys.exit(0)
+    import resource
 
+    import numpy as np
     import torch
     from transformers import AutoTokenizer
 
-    from common import compute_cleanup, compute_init, latest_checkpoint, print0
+    from common import barrier, compute_cleanup, compute_init, latest_checkpoint, print0, read_jsonl
     from configurator import configure
-    from data import read_jsonl
     from model import load_model
     from rollout import Engine, kv_rows
     from sandbox import SandboxPool
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
-    model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ is used)
+    model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
     data_path = ""  # JSONL with "question" and "answer"
     out_dir = "out/eval"
     samples = 16  # k samples per problem
     temperature = 0.6
     top_p = 1.0
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
-    max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently)
+    max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently); with
+    #                           keep_unsolved it is skipped, as train_rl.py skips it
     max_turns = 30
     max_calls_per_turn = 1
     tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
-    scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
-    tool_workers = 0  # sandbox workers per rank; 0 = number of cores
+    rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
+    tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks
     tool_timeout = 4.0  # seconds per tool call
     tool_memory = 1 << 30  # bytes per tool call
+    tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
     seed = 0
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
     save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
     score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
     dtype = "bfloat16"  # "float32" on CPU
+    dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     cfg = configure(globals())
 
-    rank, world, device = compute_init(seed)
+    rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
         sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
-    if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path):
-        model_path = latest_checkpoint(model_path)  # a run directory: its newest checkpoint
+    if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path, weights=True):
+        model_path = latest_checkpoint(model_path, weights=True)  # a run directory: its newest weights
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
     try:
         problems = read_jsonl(data_path, required=("question", "answer"))
-    except (ValueError, OSError) as e:
-        sys.exit(f"eval error: {e}")
+    except ValueError as e:
+        sys.exit(f"data error: {e}")
     if limit < 0 or samples < 1:
         sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
     problems = problems[:limit] if limit else problems
     if not problems:
         sys.exit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    too_long = [i for i, p in enumerate(problems) if len(agent.render_prompt(tokenizer, p["question"])) > max_prompt_tokens]
-    if too_long:
+    # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
+    prompt_ids = [np.asarray(agent.render_prompt(tokenizer, p["question"]), np.int32) for p in problems]
+    too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
+    if too_long and not keep_unsolved:
         sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                  f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
+    if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
+        problems = [p for p, ids in zip(problems, prompt_ids) if len(ids) <= max_prompt_tokens]
+        prompt_ids = [p for p in prompt_ids if len(p) <= max_prompt_tokens]
+        print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} skipped, as train_rl.py "
+               "skips them")
     policy = load_model(model_path, device=device, dtype=getattr(torch, dtype)).eval()
     max_len = max_prompt_tokens + max_response_tokens
     rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
+    os.makedirs(out_dir, exist_ok=True)
+    part = os.path.join(out_dir, f"trajectories.jsonl.{rank}")
+    dump = open(part, "w") if save_trajectories else None
+
+    def write(t):  # train_rl.py's dump record (view.py reads both), + "pred"; written by the rank that made it
+        dump.write(json.dumps({
+            "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]]["question"],
+            "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
+            "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
+            "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
+            "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
+            ensure_ascii=False) + "\n")
+
     t0 = time.time()
-    with SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory) as tools:
+    with SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory,
+                     isolation=tool_isolation) as tools:  # TODO(merge): local_rank, workers=None
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
                         max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)
-        summary, per_problem, trajs = evaluate(engine, tokenizer, problems, samples, max_response_tokens, scheduler,
-                                               score_truncated=score_truncated)
+        summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
+                                        score_truncated=score_truncated, prompt_ids=prompt_ids,
+                                        on_graded=write if save_trajectories else None)
     wall = time.time() - t0
-    summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg)
-
+    summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg,
+                   peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # rank 0's
+    if dump:
+        dump.close()
+    barrier()
     if rank == 0:
-        os.makedirs(out_dir, exist_ok=True)
         k = samples
         table = [f"# eval of {model_path} on {data_path}", "",
                  f"{len(problems)} problems × {k} samples, temperature {temperature}, top-p {top_p}, "
@@ -361,16 +327,12 @@ if __name__ == "__main__":
             json.dump(summary, f, indent=2)
         with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
-        if save_trajectories:  # every trajectory, decoded: train_rl.py's record (view.py reads both), + "pred"
+        if save_trajectories:  # the ranks' parts, one after the other: sort by (group, sample) to read in order
             with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
-                for t in trajs:
-                    f.write(json.dumps({
-                        "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]]["question"],
-                        "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
-                        "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
-                        "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
-                        "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
-                        ensure_ascii=False) + "\n")
+                for r in range(world):
+                    with open(os.path.join(out_dir, f"trajectories.jsonl.{r}")) as p:
+                        shutil.copyfileobj(p, f)
+                    os.remove(os.path.join(out_dir, f"trajectories.jsonl.{r}"))
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         if keep_unsolved:

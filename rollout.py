@@ -152,9 +152,10 @@ class Engine:
         return [t.response_ids for t in sorted(trajs, key=lambda t: t.key)]
 
     @torch.no_grad()
-    def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True):
+    def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True, keep=True):
         """Generate until `claim(n)` has no more requests and every row has finished.
-        claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories."""
+        claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories (keep=False:
+        an empty list; on_finish sees each one, so memory does not grow with the requests)."""
         temperature = self.temperature if temperature is None else temperature
         tools = self.tools if use_tools else None
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
@@ -208,7 +209,8 @@ class Engine:
                 self.cache.release(row.slot)
                 free.append(row.slot)
                 self.log("finish", row, reason=row.traj.finish)
-                done.append(row.traj)
+                if keep:
+                    done.append(row.traj)
                 if on_finish is not None:
                     on_finish(row.traj)
         assert self.cache.free_pages() == self.cache.num_pages, "pages leaked"
@@ -444,11 +446,13 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
 
 
 def iter_claim(reqs):
-    """A claim function over a local list of requests (single process)."""
-    reqs = list(reqs)
+    """A claim function over a local sequence of requests (single process), taken in order; a sequence that
+    makes its items when sliced (scheduler.Lazy) makes each only when claimed."""
+    taken = 0
 
     def claim(n):
-        nonlocal reqs
-        out, reqs = reqs[:n], reqs[n:]
+        nonlocal taken
+        out = reqs[taken:taken + n]
+        taken += len(out)
         return out
     return claim

@@ -30,26 +30,28 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 """
 import collections
 import functools
+import glob
 import gzip
 import json
 import math
 import os
+import shutil
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import agent
 import grpo_roc
-from common import (Logger, all_gather_dict, checkpoint_dir, collate, compute_cleanup, compute_init,
-                    latest_checkpoint, load_trainable, load_trainer_state, pack, print0, save_checkpoint)
+from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
+                    load_trainable, load_trainer_state, pack, print0, read_jsonl, save_checkpoint)
 from configurator import configure
-from data import read_jsonl
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import generate_all
+from scheduler import exchange, gather_summaries, generate
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
@@ -76,10 +78,11 @@ kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accele
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
 deterministic = False  # True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
-scheduler = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split, the baseline)
-tool_workers = 0  # sandbox workers per rank; 0 = number of cores
+rollout_split = "dynamic"  # how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
+tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks (LOCAL_WORLD_SIZE)
 tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
 tool_memory = 1 << 30  # bytes per call
+tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
 tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
 max_calls_per_turn = 1
 # optimisation
@@ -101,13 +104,24 @@ mismatch_band = 0.0  # > 0 (e.g. 0.5): drop a trajectory whose mean trainer - en
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
 save_every = 20
+save_hf_every = 0  # HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
+keep_checkpoints = 3  # the newest N checkpoints stay (0: all); those with HF weights are never deleted
 dump_every = 10  # every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
+dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
 seed = 0
 wandb_project = ""
 cfg = configure(globals())
+if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
+    rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
+    print0("deterministic=true on several ranks: rollout_split = 'static'")
 # -----------------------------------------------------------------------------
 
-rank, world, device = compute_init(seed)
+if loss_norm not in ("token", "group") or max_prompt_tokens + max_response_tokens > max_tokens_per_micro:
+    raise SystemExit(f"config error: need loss_norm 'token' or 'group' (got {loss_norm!r}), and a whole trajectory "
+                     f"in one micro-batch: max_prompt_tokens + max_response_tokens = "
+                     f"{max_prompt_tokens + max_response_tokens} > max_tokens_per_micro = {max_tokens_per_micro}: "
+                     "raise max_tokens_per_micro or lower the other two")
+rank, world, device = compute_init(seed, dist_timeout_s)
 ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -115,34 +129,39 @@ try:
     problems = read_jsonl(data_path, required=("question", "answer"))
 except ValueError as e:  # names the file and line
     raise SystemExit(f"data error: {e}")
-prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
+# each prompt tokenized once, kept as int32 (a Python list of ints takes ~9x the memory: 42K prompts, every rank)
+prompt_ids = [np.asarray(agent.render_prompt(tokenizer, p["question"]), np.int32) for p in problems]
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
 print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
-assert loss_norm in ("token", "group"), f"loss_norm must be 'token' or 'group', got {loss_norm!r}"
 
 
 @functools.lru_cache(maxsize=2)
-def epoch_order(epoch):
+def prompt_order(epoch):
     # a fresh permutation every epoch, the same on every rank
     return torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + 1_000_003 * epoch)).tolist()
 
 
 def prompt_at(c):
     """The c-th prompt of the data stream."""
-    return data[epoch_order(c // len(data))[c % len(data)]]
+    return data[prompt_order(c // len(data))[c % len(data)]]
 
-# the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank
+# the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank, built
+# empty: sync_policy fills it before the first rollout (reading the checkpoint once, not twice)
 start = latest_checkpoint(run_dir) if resume else None
 init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
-policy = load_model(init_path, device=device, dtype=getattr(torch, rollout_dtype or dtype)).eval()
+policy = load_model(init_path, device="meta", dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
 step, cursor = 0, 0
 if start:
     state = load_trainer_state(start, model, optimizer)
     step, cursor = state["step"], state["cursor"]
     print0(f"resumed from {start} at step {step}")
+    if rank == 0:  # the dumps of the steps after it are about to be made again (metrics.jsonl: see Logger)
+        for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
+            if int(os.path.basename(path)[5:11]) > step:
+                os.remove(path)
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
@@ -161,65 +180,70 @@ def sync_policy():
         q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
 
 
-def micro_batches(trajs, advs, first=0):
-    """This rank's token-balanced micro-batches; each a packed row of whole trajectories (tid: the index
-    of each token's trajectory, counting from first)."""
-    if loss_norm == "group":
-        # Eq. 6: 1/|o| over each question's kept tokens, then the mean over questions. A positive weight
-        # per trajectory commutes with the clip, so it rides on the advantage: loss = sum(w * l) / N
-        size = collections.Counter()
-        for t in trajs:
-            size[t.key[1]] += sum(t.mask)  # sampled tokens of each question's kept trajectories
-        n = sum(size.values())
-        advs = [a * n / (len(size) * size[t.key[1]]) for t, a in zip(trajs, advs)]
+def plan(kept, part):
+    """The token-balanced micro-batches of one mini-batch (kept[i] for i in part), planned on every rank from
+    the lengths alone: ([the kept indices of each of this rank's bins], {key: the rank that trains it})."""
+    bins = pack([kept[i].n_prompt + kept[i].n_response - 1 for i in part], max_tokens_per_micro, world)
+    dest = {kept[part[i]].key: j % world for j, b in enumerate(bins) for i in b}
+    return [[part[i] for i in b] for b in bins[rank::world]], dest
+
+
+def micro_batch(kept, idx, advs, tokens):
+    """One packed micro-batch: the kept trajectories idx (their tokens from `exchange`), each token tagged with
+    its trajectory's advantage and index (tid)."""
     seqs = []
-    for t, a in zip(trajs, advs):
-        seq = t.prompt_ids + t.response_ids
-        pad = [0] * (len(t.prompt_ids) - 1)
-        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": [a] * (len(seq) - 1),
-                     "mask": pad + t.mask,  # loss only on sampled tokens
-                     "elp": pad + t.logprobs,  # the engine's log-prob of each sampled token
-                     "tid": [first + len(seqs)] * (len(seq) - 1)})
-    bins = pack([len(s["ids"]) for s in seqs], max_tokens_per_micro, world)
-    return [collate([seqs[i] for i in b], device, packed) for b in bins[rank::world]]
+    for i in idx:
+        _, prompt, response, mask, logprobs = tokens[kept[i].key]
+        seq, pad = np.concatenate([prompt, response]), np.zeros(len(prompt) - 1)
+        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advs[i]),
+                     "mask": np.concatenate([pad, mask]),  # loss only on sampled tokens
+                     "elp": np.concatenate([pad, logprobs]),  # the engine's log-prob of each sampled token
+                     "tid": np.full(len(seq) - 1, i)})
+    return collate(seqs, device, packed)
 
 
-def dump_step(step, groups):
-    """Every trajectory of the step, in request order, as gzip JSONL: what a person reads (view.py) to see
-    what the policy wrote, what the tool answered, and what RoC kept."""
+def dump_step(step, mine, summaries):
+    """Every trajectory of the step as gzip JSONL: what a person reads (view.py) to see what the policy wrote,
+    what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
+    parts to one file (gzip members concatenate), in rank order: readers sort by (group, sample)."""
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with gzip.open(path, "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
-        for b, group in enumerate(groups):
-            rs = {t.meta["reward"] for t in group}
+    by_key, prompts = {s.key: s for s in summaries}, {}
+    with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
+        for t in mine:
+            b, i, s = t.key[1], t.meta["problem"], by_key[t.key]
+            rs = {x.meta["reward"] for x in summaries[b * n_sample:(b + 1) * n_sample]}
             kind = "mixed" if len(rs) > 1 else "all_correct" if rs == {1.0} else "all_wrong"
-            prompt = tokenizer.decode(group[0].prompt_ids)  # the samples of a group share their prompt
-            for t in group:
-                ids, mask, i = t.response_ids, t.mask, t.meta["problem"]
-                f.write(json.dumps({
-                    "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
-                    "answer": t.meta["answer"], "prompt": prompt,
-                    "segments": agent.mask_runs(tokenizer, ids, mask),
-                    "response_ids": ids, "mask": mask, "reward": t.meta["reward"], "finish": t.finish,
-                    "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind,
-                    "penalty": t.meta.get("penalty"), "kept": "advantage" in t.meta,
-                    "advantage": t.meta.get("advantage")}, ensure_ascii=False) + "\n")
+            prompts[i] = prompts.get(i) or tokenizer.decode(t.prompt_ids)  # a group's samples share their prompt
+            f.write(json.dumps({
+                "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
+                "answer": t.meta["answer"], "prompt": prompts[i],
+                "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
+                "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"], "finish": t.finish,
+                "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind, "penalty": s.rl.get("penalty"),
+                "kept": "advantage" in s.rl, "advantage": s.rl.get("advantage")}, ensure_ascii=False) + "\n")
+    barrier()
+    if rank == 0:
+        with open(path, "wb") as out:
+            for r in range(world):
+                with open(f"{path}.{r}", "rb") as part:
+                    shutil.copyfileobj(part, out)
+                os.remove(f"{path}.{r}")
 
 
-def n_failed(calls):
-    return sum(c["status"] in agent.TOOL_ERRORS for c in calls)
+def n_failed(statuses):
+    return sum(s in agent.TOOL_ERRORS for s in statuses)
 
 
-logger = Logger(run_dir, wandb_project, cfg, rank, resume=bool(start))
-tools = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory).start()
+logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
+tools = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory,
+                    isolation=tool_isolation).start()  # TODO(merge): local_rank, workers=None
 max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
 grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                 tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic)
-if deterministic and world > 1:
-    scheduler = "static"  # which rank generates a request must not depend on timing either
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
@@ -230,14 +254,18 @@ while step < steps:
     sync_policy()
     batch = [prompt_at(cursor + i) for i in range(prompts_per_step)]
     cursor += prompts_per_step
-    requests = [Request(p, key=(step, b, s), meta={"answer": problems[i]["answer"], "problem": i})
+    requests = [Request(p.tolist(), key=(step, b, s), meta={"answer": problems[i]["answer"], "problem": i})
                 for b, (i, p) in enumerate(batch) for s in range(n_sample)]
-    trajs, n_mine = generate_all(engine, requests, max_response_tokens, scheduler, grader, key=f"rl/{step}")
+    mine = generate(engine, requests, max_response_tokens, rollout_split, grader, counter=f"rl/{step}")
     t_rollout = time.perf_counter() - t0
-    # the grades, made on each trajectory's own rank while the engine went on decoding
-    grades = all_gather_dict(grader.results())
-    for t in trajs:
+    # the grades of this rank's trajectories, made while the engine went on decoding; then what every rank
+    # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
+    grades = grader.results()
+    for t in mine:
         t.meta.update(grades[t.key])
+    t_grade = time.perf_counter() - t0 - t_rollout
+    trajs = gather_summaries(mine)
+    t_gather = time.perf_counter() - t0 - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
     groups = [trajs[g * n_sample:(g + 1) * n_sample] for g in range(prompts_per_step)]
@@ -248,37 +276,50 @@ while step < steps:
     for g in keep_groups.tolist():
         idx = list(range(n_sample))
         if roc:
-            pen = [grpo_roc.penalty(len(t.tool_calls), n_failed(t.tool_calls), t.meta["answers"], t.turns)
-                   for t in groups[g]]
+            pen = [grpo_roc.penalty(len(t.calls), n_failed(t.calls), t.meta["answers"], t.turns) for t in groups[g]]
             idx = grpo_roc.resample_on_correct(rewards[g], torch.tensor(pen), keep_per_prompt, gen,
                                                mode=roc_mode).tolist()
             for t, p in zip(groups[g], pen):
-                t.meta["penalty"] = p
+                t.rl["penalty"] = p
         kept.append([groups[g][i] for i in idx])
         kept_rewards.append(rewards[g, idx])
-    t_train = time.perf_counter()
+    t_train, t_exchange = time.perf_counter(), 0.0
     stats = {}
     mism = {k: torch.zeros((), device=device) for k in ("abs", "max", "k3", "out", "n")}
     if kept:
         advs = grpo_roc.advantages(torch.stack(kept_rewards)).flatten().tolist()
         kept = [t for g in kept for t in g]
         for t, a in zip(kept, advs):
-            t.meta["advantage"] = a  # also marks it kept, for the dump
-        # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
+            t.rl["advantage"] = a  # also marks it kept, for the dump
+        # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches. Every rank
+        # plans them all from the lengths; then each trajectory's tokens travel to the one rank that trains it
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         for group in optimizer.param_groups:
             group["lr"] = lr_now
+        per_mini = math.ceil(len(kept) / mini_batches)
+        parts = [range(s, min(len(kept), s + per_mini)) for s in range(0, len(kept), per_mini)]  # none empty
+        plans = [plan(kept, part) for part in parts]
+        tokens = exchange(mine, {key: r for _, dest in plans for key, r in dest.items()})
+        t_exchange = time.perf_counter() - t_train
         # the "old" policy is this step's weights before any update. With one optimizer step per RL step
         # (the paper) they are the weights of the forward below, so its own log-probs, detached, are the
         # old ones and a second forward would only repeat it; otherwise every mini-batch's come first
-        per_mini = math.ceil(len(kept) / mini_batches)
         minis = []
-        for mb in range(mini_batches):
-            part = range(mb * per_mini, min(len(kept), (mb + 1) * per_mini))
-            micros = micro_batches([kept[i] for i in part], [advs[i] for i in part], part.start)
-            n_tokens = torch.tensor(float(sum(sum(kept[i].mask) for i in part)), device=device)
+        for part, (bins, _) in zip(parts, plans):
+            scaled = list(advs)
+            if loss_norm == "group":
+                # Eq. 6: 1/|o| over each question's kept tokens, then the mean over questions. A positive weight
+                # per trajectory commutes with the clip, so it rides on the advantage: loss = sum(w * l) / N
+                size = collections.Counter()
+                for i in part:
+                    size[kept[i].key[1]] += kept[i].n_sampled  # sampled tokens of each question's kept trajectories
+                n = sum(size.values())
+                for i in part:
+                    scaled[i] = advs[i] * n / (len(size) * size[kept[i].key[1]])
+            micros = [micro_batch(kept, idx, scaled, tokens) for idx in bins]
+            n_tokens = torch.tensor(float(sum(kept[i].n_sampled for i in part)), device=device)
             old = None
-            if mini_batches > 1:
+            if len(parts) > 1:
                 with torch.no_grad():
                     old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"]) for m in micros]
             minis.append((micros, old, n_tokens))
@@ -301,8 +342,8 @@ while step < steps:
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch (all ranks, summed below)
                 share = m["mask"].sum() / n_tokens
-                stats["clip_frac"] = stats.get("clip_frac", 0.0) + float(st["clip_frac"] * share) / mini_batches
-                stats["entropy"] = stats.get("entropy", 0.0) + float((ent * m["mask"]).sum() / n_tokens) / mini_batches
+                stats["clip_frac"] = stats.get("clip_frac", 0.0) + float(st["clip_frac"] * share) / len(parts)
+                stats["entropy"] = stats.get("entropy", 0.0) + float((ent * m["mask"]).sum() / n_tokens) / len(parts)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             optimizer.step()
@@ -318,14 +359,14 @@ while step < steps:
         for k in mism:
             dist.all_reduce(mism[k], op=dist.ReduceOp.MAX if k == "max" else dist.ReduceOp.SUM)
     n_loss = max(1.0, float(mism["n"]))
-    calls = [c for t in trajs for c in t.tool_calls]
-    pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.tool_calls]
-    err = lambda cs: n_failed(cs) / max(1, len(cs))
+    calls = [c for t in trajs for c in t.calls]
+    pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.calls]
+    err = lambda cs: n_failed(cs) / max(1, len(cs))  # noqa: E731
     metrics = {
         "reward": rewards.mean().item(),
         "kept": len(kept), "reward_kept": sum(t.meta["reward"] for t in kept) / max(1, len(kept)),
         "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
-        "response_len": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        "response_len": sum(t.n_response for t in trajs) / len(trajs),
         "truncated_frac": sum(t.finish == "length" for t in trajs) / len(trajs),
         "turns": sum(t.turns for t in trajs) / len(trajs),
         "tool_calls": len(calls) / len(trajs),
@@ -335,10 +376,12 @@ while step < steps:
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
         "mismatch_abs_mean": float(mism["abs"]) / n_loss, "mismatch_abs_max": float(mism["max"]),
         "mismatch_kl_k3": float(mism["k3"]) / n_loss, "mismatch_ratio_out": float(mism["out"]) / n_loss,
-        "t_rollout": t_rollout, "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
+        "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
+        "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
-        "tok_per_s": sum(len(t.response_ids) for t in trajs) / t_rollout, "generated_here": n_mine,
+        "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),
     }
     engine.stats.update(tool_wait_s=0.0, preemptions=0, recomputed_tokens=0)
     logger.log(step, metrics)
@@ -347,11 +390,13 @@ while step < steps:
            f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
            f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
-    if rank == 0 and dump_every and (step % dump_every == 0 or step == 1):
-        dump_step(step, groups)
+    if dump_every and (step % dump_every == 0 or step == 1):
+        dump_step(step, mine, trajs)
     if step % save_every == 0 or step == steps:
+        hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
         save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer,
-                        {"step": step, "cursor": cursor, "data_path": data_path})
+                        {"step": step, "cursor": cursor, "data_path": data_path},
+                        hf_dtype=ptdtype if hf else None, keep=keep_checkpoints)
 
 tools.close()
 compute_cleanup()

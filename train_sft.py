@@ -232,6 +232,9 @@ if __name__ == "__main__":
     wandb_project = ""
     cfg = configure(globals())
 
+    if max_seq_len > max_tokens_per_micro:  # a conversation must fit one micro-batch
+        sys.exit(f"config error: max_seq_len={max_seq_len} > max_tokens_per_micro={max_tokens_per_micro}: raise "
+                 "max_tokens_per_micro or lower max_seq_len")
     rank, world, device = compute_init(seed)
     packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
     tokenizer = AutoTokenizer.from_pretrained(model_path)

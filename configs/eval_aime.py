@@ -1,10 +1,10 @@
 # the paper's evaluation protocol (§5.1): avg@16 at temperature 0.6, 30K tokens, 30 turns (top-p is not
 # stated; 1.0 = no nucleus truncation, verl's default)
-#   python eval.py convert aime_2024/train-00000-of-00001.parquet data/aime24.jsonl
+#   python data.py convert aime_2024/train-00000-of-00001.parquet data/aime24.jsonl
 #   torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=out/stage3/step_000125 --data_path=data/aime24.jsonl
 # the released weights load unchanged: --model_path=<your download of rStar2-Agent-14B>
 model_path = ""              # give --model_path=DIR
-data_path = "data/aime24.jsonl"  # made with `python eval.py convert ...` from files you downloaded
+data_path = "data/aime24.jsonl"  # made with `python data.py convert ...` from files you downloaded
 out_dir = "out/eval_aime24"
 samples = 16
 temperature = 0.6

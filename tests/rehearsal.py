@@ -1,5 +1,6 @@
 """
-train_rl.py with a policy whose output this file controls: the stage-1 rehearsal (tests/test_rehearsal.py).
+train_rl.py with a policy whose output this file controls, and with faults it injects: the stage-1 rehearsal
+(tests/test_rehearsal.py).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/rehearsal.py configs/tiny_rl.py ...
 
@@ -78,5 +79,34 @@ def sample(self, rows, temperature):
 
 
 rollout.Engine.sample = sample
+
+# faults, chosen by REHEARSAL_FAULT=kind:step (tests/test_rehearsal.py):
+#   kill:N    rank 0 dies (SIGKILL's exit code) in the middle of the checkpoint save of step N
+#   enospc:N  the save of step N fails on every rank: the disk is full
+#   stop:N    rank 1 stops itself (SIGSTOP) when step N's rollouts begin: the other ranks wait at the gather
+fault, _, at = os.environ.get("REHEARSAL_FAULT", "").partition(":")
+if fault in ("kill", "enospc"):
+    import torch.distributed.checkpoint as dcp
+    _save = dcp.save
+
+    def save(state, checkpoint_id, **kw):
+        if f"step_{int(at):06d}" not in str(checkpoint_id):
+            return _save(state, checkpoint_id=checkpoint_id, **kw)
+        if fault == "enospc":
+            raise OSError(28, "No space left on device", str(checkpoint_id))
+        _save(state, checkpoint_id=checkpoint_id, **kw)  # the shards are written, the checkpoint is not complete
+        if os.environ.get("RANK", "0") == "0":
+            os._exit(137)
+    dcp.save = save
+elif fault == "stop":
+    import signal
+    import scheduler
+    _generate = scheduler.generate
+
+    def generate(*args, counter, **kw):
+        if counter == f"rl/{int(at) - 1}" and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return _generate(*args, counter=counter, **kw)
+    scheduler.generate = generate
 sys.argv = ["train_rl.py"] + sys.argv[1:]
 runpy.run_path("train_rl.py", run_name="__main__")

@@ -1,20 +1,29 @@
 """data.py: the tiny task (answers checked with sympy), JSONL I/O errors, SFT traces with real tool output,
-the tokenizer (round trip, token budgets), and the prepared HF directory loaded back through transformers."""
+the tokenizer (round trip, token budgets), the prepared HF directory loaded back through transformers, and the
+benchmark converter on each layout it claims (parquet and JSONL) and on malformed rows."""
 
 import contextlib
 import io
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import sympy
 
 import agent
 import data
+from common import read_jsonl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
 
@@ -66,7 +75,7 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
     rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "√?", "answer": "-4", "extra": [1]}]
     path = tmp_path / "d.jsonl"
     data.write_jsonl(str(path), rows)
-    assert data.read_jsonl(str(path)) == rows
+    assert read_jsonl(str(path)) == rows
     bad = {
         '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be a string",
         '{"question": "q", "answer": "1"}\n{"question": "q"\n': ":2: not valid JSON",
@@ -76,9 +85,9 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
     for text, msg in bad.items():
         path.write_text(text)
         with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + msg):
-            data.read_jsonl(str(path))
+            read_jsonl(str(path))
     path.write_text('{"messages": []}\n')
-    assert data.read_jsonl(str(path), required=("messages",)) == [{"messages": []}]
+    assert read_jsonl(str(path), required=("messages",)) == [{"messages": []}]
 
 
 def test_sft_conversation():
@@ -132,9 +141,9 @@ def test_prepared_dir_loads(prepared):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out, tok, model = prepared
     base, data_dir = out / "tiny-base", out / "data"
-    train = data.read_jsonl(str(data_dir / "train.jsonl"))
-    heldout = data.read_jsonl(str(data_dir / "heldout.jsonl"))
-    sft = data.read_jsonl(str(data_dir / "sft.jsonl"), required=("question", "answer", "messages"))
+    train = read_jsonl(str(data_dir / "train.jsonl"))
+    heldout = read_jsonl(str(data_dir / "heldout.jsonl"))
+    sft = read_jsonl(str(data_dir / "sft.jsonl"), required=("question", "answer", "messages"))
     assert (len(train), len(heldout), len(sft)) == (2000, 200, 400)
     assert not {p["question"] for p in heldout} & {p["question"] for p in train + sft}
     loaded = AutoTokenizer.from_pretrained(str(base))
@@ -162,3 +171,87 @@ def test_prepared_dir_loads(prepared):
     import torch
     ids = torch.tensor([agent.render_prompt(loaded, q)])
     assert torch.equal(m(ids).logits, model(ids).logits)  # the saved weights are the ones made
+
+
+# ----------------------------------------------------------------------------- the converter
+
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+
+
+def read_out(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_convert_each_layout(tmp_path):
+    # HuggingFaceH4/aime_2024 parquet: id, problem, solution, answer, url, year (answers as strings)
+    aime24 = tmp_path / "aime24.parquet"
+    pq.write_table(pa.table({"id": [60, 61], "problem": ["Find x.", "Find y. "], "solution": ["s", "t"],
+                             "answer": ["204", "025"], "url": ["u", "v"], "year": ["2024", "2024"]}), aime24)
+    # a parquet with integer answers (other AIME / HMMT dumps)
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"problem_idx": [1], "problem": ["Count z."], "answer": [33]}), ints)
+    # opencompass/AIME2025 JSONL: question, answer
+    aime25 = tmp_path / "aime2025-I.jsonl"
+    write_jsonl(aime25, [{"question": "Q1", "answer": "70"}, "", {"question": "Q2", "answer": "588"}])
+    # HuggingFaceH4/MATH-500 JSONL
+    math500 = tmp_path / "test.jsonl"
+    write_jsonl(math500, [{"problem": "Convert (0,3).", "solution": "...", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                           "subject": "Precalculus", "level": 2, "unique_id": "test/precalculus/807.json"}])
+    # the rStar2-Agent repo's preprocessed parquet: prompt = [user: problem], reward_model.ground_truth
+    rstar = tmp_path / "aime24_rstar2.parquet"
+    pq.write_table(pa.table({
+        "data_source": ["aime24"], "agent_name": ["rstar2_agent"],
+        "prompt": [[{"role": "user", "content": "What is 6*7?"}]],
+        "reward_model": [{"ground_truth": "42", "style": "rule"}]}), rstar)
+    out = tmp_path / "out" / "all.jsonl"
+    n = data.convert([str(aime24), str(ints), str(aime25), str(math500), str(rstar)], str(out))
+    rows = read_out(out)
+    assert n == len(rows) == 7
+    assert rows[0] == {"question": "Find x.", "answer": "204", "id": 60}
+    assert rows[1] == {"question": "Find y.", "answer": "025", "id": 61}
+    assert rows[2] == {"question": "Count z.", "answer": "33", "id": 1}
+    assert rows[3:5] == [{"question": "Q1", "answer": "70"}, {"question": "Q2", "answer": "588"}]
+    assert rows[5] == {"question": "Convert (0,3).", "answer": "\\left( 3, \\frac{\\pi}{2} \\right)",
+                       "id": "test/precalculus/807.json"}
+    assert rows[6] == {"question": "What is 6*7?", "answer": "42"}
+    # what we write is what the eval script (and train_rl) reads
+    assert read_jsonl(str(out)) == rows
+
+
+def test_convert_reports_bad_rows_with_file_and_row(tmp_path):
+    bad_jsonl = tmp_path / "bad.jsonl"
+    write_jsonl(bad_jsonl, [{"question": "Q1", "answer": "1"}, "", {"question": "Q3", "solution": "no answer"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: no answer"):
+        data.convert([str(bad_jsonl)], str(tmp_path / "o.jsonl"))
+    not_json = tmp_path / "broken.jsonl"
+    write_jsonl(not_json, [{"question": "Q1", "answer": "1"}, "{oops"])
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
+        data.convert([str(not_json)], str(tmp_path / "o.jsonl"))
+    bad_parquet = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"problem": ["P1", "P2", "P3"], "answer": ["1", None, "3"]}), bad_parquet)
+    with pytest.raises(ValueError, match=r"bad\.parquet:2: the answer must be a non-empty string"):
+        data.convert([str(bad_parquet)], str(tmp_path / "o.jsonl"))
+    cases = [({"text": "Q", "answer": "1"}, "no question"), ({"question": "", "answer": "1"}, "question must be"),
+             ({"question": "Q", "answer": 1.5}, "answer must be"), ({"question": "Q", "answer": True}, "answer must be"),
+             ({"prompt": "Q", "reward_model": {"ground_truth": "1"}}, "list of chat messages"),
+             ({"prompt": [{"role": "user", "content": "Q"}], "reward_model": {}}, "no answer")]
+    for row, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            data.convert_row(row)
+    with pytest.raises(ValueError, match=r"\.csv: expected a \.parquet or \.jsonl"):
+        data.convert([str(tmp_path / "x.csv")], str(tmp_path / "o.jsonl"))
+
+
+def test_convert_command_line(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.parquet"
+    write_jsonl(a, [{"problem": "P", "answer": 7}])
+    pq.write_table(pa.table({"question": ["Q"], "answer": ["x^2"]}), b)
+    p = subprocess.run([sys.executable, "data.py", "convert", str(a), str(b), str(tmp_path / "o.jsonl")], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "wrote 2 problems" in p.stdout
+    assert read_out(tmp_path / "o.jsonl") == [{"question": "P", "answer": "7"}, {"question": "Q", "answer": "x^2"}]

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.torch import load_file
@@ -31,15 +32,15 @@ def tiny(tmp_path_factory):
     return d
 
 
-def rehearse(d, run_dir, *extra):
+def rehearse(d, run_dir, *extra, fault="", check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/rehearsal.py",
            "configs/tiny_rl.py", f"--model_path={d}/base", f"--data_path={d}/data/train.jsonl", f"--run_dir={run_dir}",
            "--prompts_per_step=4", "--samples_per_prompt=4", "--keep_per_prompt=2", "--max_response_tokens=128",
            "--max_turns=2", "--max_calls_per_turn=1", "--tool_timeout=1.0", "--tool_workers=2", "--lr=1e-3",
-           "--warmup_steps=1", "--save_every=2", "--dump_every=1", "--scheduler=dynamic", *extra]
+           "--warmup_steps=1", "--save_every=2", "--dump_every=1", "--rollout_split=dynamic", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+                       env=dict(os.environ, OMP_NUM_THREADS="1", REHEARSAL_FAULT=fault))
+    assert p.returncode == 0 or not check, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 
 
@@ -55,8 +56,9 @@ def busy(n):
 
 
 def records(run_dir, step):
+    # each rank writes its own trajectories: the dump is in rank order, (group, sample) order after a sort
     with gzip.open(os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz"), "rt") as f:
-        return [json.loads(line) for line in f]
+        return sorted((json.loads(line) for line in f), key=lambda r: (r["group"], r["sample"]))
 
 
 def without_durations(rows):
@@ -126,3 +128,48 @@ def test_reproducibility_gate(tiny, tmp_path):
         for step in (1, 2, 3) if name == "busy" else (3,):
             assert without_durations(records(runs[name], step)) == without_durations(records(runs["quiet"], step))
         assert digest(runs[name] / "step_000003") == digest(runs["quiet"] / "step_000003"), name
+
+
+def listing(run_dir):
+    return sorted(p for p in os.listdir(run_dir) if p.startswith("step_"))
+
+
+def test_a_killed_save_and_a_full_disk_resume_from_the_last_complete_checkpoint(tiny, tmp_path):
+    """Checkpoints every step, sharded (HF weights only at the end), the newest 2 kept. Rank 0 killed in the
+    middle of step 3's save, or step 3's save failing for a full disk: the run resumes from step 2 (shards
+    only) and ends exactly where an undisturbed run ends, with one metrics row per step."""
+    args = ("--steps=4", "--deterministic=true", "--save_every=1", "--keep_checkpoints=2")
+    quiet = tmp_path / "quiet"
+    rehearse(tiny, quiet, *args)
+    assert listing(quiet) == ["step_000003", "step_000004"]  # rotation: the newest two
+    assert os.path.exists(quiet / "step_000004" / "model.safetensors")
+    assert not os.path.exists(quiet / "step_000003" / "model.safetensors")
+    for fault in ("kill:3", "enospc:3"):
+        run = tmp_path / fault[:-2]
+        p = rehearse(tiny, run, *args, fault=fault, check=False)
+        assert p.returncode != 0
+        assert listing(run) == ["step_000001", "step_000002", "step_000003.tmp"], listing(run)  # (never complete)
+        out = rehearse(tiny, run, *args, "--resume=true")
+        assert f"resumed from {run}/step_000002 at step 2" in out.stdout
+        assert listing(run) == ["step_000003", "step_000004"]
+        rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for step in (3, 4):
+            assert without_durations(records(run, step)) == without_durations(records(quiet, step))
+        assert digest(run / "step_000004") == digest(quiet / "step_000004"), fault
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout(tiny, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) as step 2 begins; rank 0 waits at the post-rollout gather until
+    dist_timeout_s, then the run ends (gloo's own default would wait 30 minutes)."""
+    t0 = time.monotonic()
+    p = rehearse(tiny, tmp_path / "s", "--steps=3", "--dist_timeout_s=20", fault="stop:2", check=False)
+    assert p.returncode != 0
+    assert time.monotonic() - t0 < 150, time.monotonic() - t0  # start-up, step 1, the 20 s wait, torchrun's kill
+    assert [json.loads(line)["step"] for line in open(tmp_path / "s" / "metrics.jsonl")] == [1]
+
+
+def test_more_mini_batches_than_kept_trajectories(tiny, tmp_path):
+    # step 1 keeps 1-2 groups of 2: five mini-batches leave some empty, which are skipped on every rank
+    out = rehearse(tiny, tmp_path / "m", "--steps=1", "--mini_batches=5")
+    assert "step 0001/1" in out.stdout

@@ -13,7 +13,7 @@ import agent
 import data
 from model import load_model
 from rollout import Engine, Request
-from scheduler import generate_all
+from scheduler import gather_summaries, generate
 
 N_REQUESTS, BUDGET, SLOW = 24, 12, 0.03
 
@@ -48,9 +48,12 @@ def worker(rank, path, init_file, results):
     for mode in ("static", "dynamic"):
         dist.barrier()
         t0 = time.perf_counter()
-        trajs, mine = generate_all(engine, reqs, BUDGET, mode, key=f"test/{mode}")
+        mine = generate(engine, reqs, BUDGET, mode, counter=f"test/{mode}")
         dist.barrier()
-        out[mode] = (time.perf_counter() - t0, mine, [(t.key, t.response_ids) for t in trajs])
+        t = time.perf_counter() - t0
+        # each rank keeps what it generated; every rank learns a summary of everything
+        out[mode] = (t, len(mine), [(s.key, s.n_response) for s in gather_summaries(mine)],
+                     [(x.key, x.response_ids) for x in mine])
     results[rank] = out
     dist.destroy_process_group()
 
@@ -62,14 +65,15 @@ def test_dynamic_claiming_balances_two_ranks():
         mp.spawn(worker, args=(d, os.path.join(d, "init"), results), nprocs=2, join=True)
         r0, r1 = results[0], results[1]
     for mode in ("static", "dynamic"):
-        # every rank ends with all trajectories, each request generated exactly once
+        # every rank ends with the summaries of all trajectories, each request generated exactly once
         assert r0[mode][2] == r1[mode][2]
         assert [k for k, _ in r0[mode][2]] == [(0, i, 0) for i in range(N_REQUESTS)]
-        assert r0[mode][1] + r1[mode][1] == N_REQUESTS
-        assert all(len(ids) == BUDGET for _, ids in r0[mode][2])
+        assert r0[mode][1] + r1[mode][1] == N_REQUESTS == len(r0[mode][3] + r1[mode][3])
+        assert all(n == BUDGET for _, n in r0[mode][2])
     assert r0["static"][1] == r1["static"][1] == N_REQUESTS // 2
     assert r0["dynamic"][1] > r1["dynamic"][1]  # the fast rank took more of the queue
     # the slow rank alone needs (N/2 requests / 2 rows) × BUDGET steps × SLOW seconds in static mode
     assert r0["dynamic"][0] < 0.8 * r0["static"][0]
     # which rank generated a request does not change its tokens (per-request generators)
-    assert r0["dynamic"][2] == r0["static"][2]
+    tokens = {mode: sorted(r0[mode][3] + r1[mode][3]) for mode in ("static", "dynamic")}
+    assert tokens["dynamic"] == tokens["static"]

@@ -46,7 +46,7 @@ def sft(tmp_path_factory):
 def rl(d, run_dir, *extra, ranks=1):
     return run("train_rl.py", "configs/tiny_rl.py", f"--model_path={d}/sft", f"--data_path={d}/data/rl.jsonl",
                f"--run_dir={run_dir}", "--prompts_per_step=4", "--samples_per_prompt=8", "--keep_per_prompt=4",
-               "--max_response_tokens=96", "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1", "--save_every=2",
+               "--max_response_tokens=96", "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1", "--save_every=2", "--save_hf_every=1",
                *extra, ranks=ranks)
 
 
@@ -71,6 +71,15 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
     one, two = weights(tmp_path / "a" / "step_000002"), weights(tmp_path / "c" / "step_000002")
     for k in one:
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
+
+
+def test_a_trajectory_longer_than_a_micro_batch_is_refused_at_start(tmp_path):
+    # before, packing retried with one more bin per rank at a time: cubic in their number (weeks at stage 1)
+    out = run("train_rl.py", "configs/tiny_rl.py", "--max_tokens_per_micro=200", f"--run_dir={tmp_path}", check=False)
+    assert out.returncode != 0
+    assert "max_prompt_tokens + max_response_tokens = 288 > max_tokens_per_micro = 200" in out.stderr, out.stderr
+    out = run("train_sft.py", "configs/tiny_sft.py", "--max_tokens_per_micro=200", check=False)
+    assert out.returncode != 0 and "max_seq_len=512 > max_tokens_per_micro=200" in out.stderr, out.stderr
 
 
 def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):

@@ -1,0 +1,110 @@
+"""common.py: token-balanced packing (the same bins as the linear scan it replaced, a too-long sequence named
+at once), checkpoints (written whole or not at all, the newest complete one found, rotation keeps what it
+says, weights and optimizer state restored exactly from the shards), and the metrics log of a resumed run."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from common import (Logger, checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, pack,
+                    read_jsonl, save_checkpoint)
+from model import Config, Qwen, save_model
+
+
+def pack_by_scan(lengths, max_tokens, world=1):
+    # the packing before the heap: longest first into the emptiest bin, found by scanning every bin
+    m = max(1, -(-sum(lengths) // (world * max_tokens)))
+    while True:
+        bins, load = [[] for _ in range(world * m)], [0] * (world * m)
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            j = min(range(len(bins)), key=load.__getitem__)
+            bins[j].append(i)
+            load[j] += lengths[i]
+        if max(load) <= max_tokens or m >= len(lengths):
+            return bins
+        m += 1
+
+
+def test_pack_gives_the_scans_bins_and_names_a_too_long_sequence():
+    rng = random.Random(0)
+    for _ in range(200):
+        n, world = rng.randrange(1, 60), rng.choice([1, 2, 3, 8])
+        max_tokens = rng.choice([64, 100, 256])
+        lengths = [rng.randrange(1, max_tokens + 1) for _ in range(n)]
+        bins = pack(lengths, max_tokens, world)
+        assert sorted(i for b in bins for i in b) == list(range(n)) and len(bins) % world == 0
+        assert all(sum(lengths[i] for i in b) <= max_tokens for b in bins)
+        if len(bins) <= 8 * world:  # (the scan grows one bin a rank at a time, the heap faster once there are many)
+            assert bins == pack_by_scan(lengths, max_tokens, world)
+    # a stage-1 step: 16,384 lengths into 64 ranks' bins (the scan took ~7 s)
+    lengths = [min(8192, int(rng.lognormvariate(8.1, 0.6))) for _ in range(16384)]
+    bins = pack(lengths, 20480, 64)
+    assert all(sum(lengths[i] for i in b) <= 20480 for b in bins)
+    # one sequence that fits no bin: named at once (the scan retried with more bins, cubic in their number)
+    with pytest.raises(ValueError, match="sequence 3 has 9000 tokens, more than max_tokens_per_micro=8192"):
+        pack([10, 20, 30, 9000] + [5] * 188, 8192, 2)
+
+
+class Tok:
+    def save_pretrained(self, path):
+        open(os.path.join(path, "tokenizer.json"), "w").write("{}")
+
+
+def tiny(tmp_path):
+    cfg = Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8)
+    torch.manual_seed(0)
+    save_model(Qwen(cfg), str(tmp_path / "base"))
+    model = load_trainable(str(tmp_path / "base"), "cpu", torch.float32)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model, opt):
+    ids = torch.randint(0, 50, (2, 6))
+    (-model(ids, targets=ids).mean()).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
+    model, opt = tiny(tmp_path)
+    run = tmp_path / "run"
+    for step in range(1, 6):
+        train_step(model, opt)
+        save_checkpoint(str(run / f"step_{step:06d}"), model, opt, Tok(), {"step": step, "cursor": 0},
+                        hf_dtype=torch.float32 if step == 2 else None, keep=2)
+    # the newest 2 and every one with HF weights (step 2) stay; only step 2 has them
+    assert [os.path.basename(p) for p in checkpoints(str(run))] == ["step_000002", "step_000004", "step_000005"]
+    assert has_weights(str(run / "step_000002")) and not has_weights(str(run / "step_000005"))
+    assert latest_checkpoint(str(run)).endswith("step_000005")
+    assert latest_checkpoint(str(run), weights=True).endswith("step_000002")
+    # a save that died half-way (a process killed in it, a full disk) left a .tmp: it is no checkpoint
+    os.makedirs(run / "step_000006.tmp" / "state")
+    assert latest_checkpoint(str(run)).endswith("step_000005")
+    # the shards give back the weights and the optimizer exactly, without any HF weights
+    back = load_trainable(str(run / "step_000005"), "cpu", torch.float32)
+    opt2 = torch.optim.AdamW(back.parameters(), lr=1e-2)
+    assert load_trainer_state(str(run / "step_000005"), back, opt2)["step"] == 5
+    for p, q in zip(model.parameters(), back.parameters()):
+        assert torch.equal(p, q)
+    torch.manual_seed(1)
+    train_step(model, opt)
+    torch.manual_seed(1)
+    train_step(back, opt2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters()))
+
+
+def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
+    log = Logger(str(tmp_path))
+    for step in range(1, 6):
+        log.log(step, {"reward": step / 10})
+    log = Logger(str(tmp_path), resume_step=3)  # the checkpoint of step 3: steps 4 and 5 run again
+    for step in (4, 5):
+        log.log(step, {"reward": 1.0})
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"), ())
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["reward"] for r in rows] == [0.1, 0.2, 0.3, 1.0, 1.0]
+    with pytest.raises(ValueError, match="cannot read it"):
+        read_jsonl(str(tmp_path / "missing.jsonl"))
+    json.dumps(rows)
