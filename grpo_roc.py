@@ -3,12 +3,13 @@ GRPO-RoC: Group Relative Policy Optimization with Resample-on-Correct (rStar2-Ag
 
 Pure math on tensors and plain records (imports torch only). One RL step uses it in this order:
 
-    keep, n_all_correct, n_all_wrong = filter_groups(rewards)          # (num_groups, 2G) 0/1
+    keep, n_all_correct, n_all_wrong = filter_groups(rewards)          # (num_groups, 2G) in [0, 1]
     for each kept group:                                                 # 2G rollouts -> G
         p = [penalty(calls, failed_calls, answers, turns) for each rollout]
         idx = resample_on_correct(rewards[g], torch.tensor(p), G, generator)
     adv = advantages(kept_rewards)                                       # (num_groups, G)
-    loss = policy_loss(logprobs, old_logprobs, adv_per_sequence, mask)   # token-mean, clipped
+    w = loss_weights(sampled_tokens, questions, "token")                 # one weight per trajectory
+    loss = policy_loss(logprobs, old_logprobs, w * adv, mask)            # clipped, over N sampled tokens
 
 Why each piece (paper §2.2):
 1. a group whose 2G rewards are all equal has zero advantage everywhere, so it only costs compute:
@@ -26,6 +27,22 @@ Why each piece (paper §2.2):
    released code takes verl's token-mean per micro-batch; policy_loss divides by num_tokens, the sampled
    tokens of the whole mini-batch on all ranks (DAPO's token-mean), and train_rl.py's loss_norm="group"
    gives Eq. 6 by weighting each trajectory.
+
+The loss's three knobs, each one key in train_rl.py (the defaults are the paper's; configs/dr_grpo.py and
+configs/gspo.py set the others):
+- advantage scale (adv_scale): "std" divides by the group's std (Eq. 7), "none" only subtracts the mean
+  (Dr. GRPO, Liu et al. 2025: the std up-weights groups that are nearly all right or all wrong);
+- loss divisor (loss_norm, via loss_weights): "token" (every sampled token of the mini-batch weighs the
+  same), "group" (Eq. 6: every question the same), "sequence" (every trajectory the same: GRPO's original
+  1/|o_i|, and GSPO's), "constant" (Dr. GRPO: trajectories x max response tokens, so a long response's
+  tokens do not weigh less);
+- importance ratio (ratio_level): "token" (PPO's, per token) or "sequence" (GSPO, Zheng et al. 2025: one
+  ratio per trajectory, the geometric mean of its tokens' ratios, clipped as a whole; with its own much
+  smaller eps, 3e-4 / 4e-4).
+
+Rewards may lie anywhere in [0, 1] (a task's partial credit, e.g. the share of unit tests passed). RoC's
+positives are then the trajectories whose reward is above their group's mean (the ones the update will
+reinforce, A > 0) or 1. With 0/1 rewards that is exactly reward 1, the paper's rule.
 
 Deviations from plain GRPO, and where the paper and the released code differ (both are available):
 - mode="sample" (default) is the paper's RoC rule, mode="deterministic" the released code's.
@@ -63,22 +80,22 @@ def penalty(num_calls, num_errors, num_answers, num_turns):
     return p_err + p_format
 
 
-def _check_binary(rewards, name):
-    if not bool(((rewards == 0) | (rewards == 1)).all()):
-        raise ValueError(f"{name} must be 0/1 outcome rewards, got values {rewards.unique().tolist()}")
+def _check_rewards(rewards, name):
+    if not bool(((rewards >= 0) & (rewards <= 1)).all()):
+        raise ValueError(f"{name} must be rewards in [0, 1], got values {rewards.unique().tolist()}")
 
 
 def filter_groups(rewards):
     """
     Drop groups whose rewards are all equal (paper §4.3; released code `reject_equal_reward`).
 
-    rewards: (num_groups, 2G) 0/1 tensor, one row per prompt.
+    rewards: (num_groups, 2G) tensor in [0, 1], one row per prompt.
     Returns (keep, num_all_correct, num_all_wrong): keep is a (K,) long tensor of the row indices of
     the groups with mixed rewards, the two ints count the dropped all-1 and all-0 groups.
     """
     if rewards.dim() != 2 or rewards.size(1) < 2:
         raise ValueError(f"rewards must be (num_groups, 2G) with 2G >= 2, got shape {tuple(rewards.shape)}")
-    _check_binary(rewards, "rewards")
+    _check_rewards(rewards, "rewards")
     uniform = (rewards == rewards[:, :1]).all(dim=1)  # (num_groups,)
     num_all_correct = int((uniform & (rewards[:, 0] == 1)).sum())
     num_all_wrong = int((uniform & (rewards[:, 0] == 0)).sum())
@@ -90,19 +107,21 @@ def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_
     """
     Resample-on-Correct (paper §2.2.3): keep G of the 2G rollouts of one group. mode="sample" is the
     paper's rule (roc_sample), mode="deterministic" the released code's (roc_released).
-    rewards: (2G,) 0/1; penalties: (2G,) p_err + p_format (see penalty()), only the positives' are used;
-    generator: a torch.Generator (mode="sample"). Returns the kept indices, (G,) ascending.
+    rewards: (2G,) in [0, 1], positives = above the group's mean or 1 (0/1: the correct ones); penalties: (2G,)
+    p_err + p_format (see penalty()), only the positives' are used; generator: a torch.Generator
+    (mode="sample"). Returns the kept indices, (G,) ascending.
     """
     if mode not in ("sample", "deterministic") or not isinstance(G, int) or G < 1:
         raise ValueError(f"need mode 'sample' or 'deterministic' and G a positive int, got {mode!r}, {G!r}")
     if rewards.shape != (2 * G,) or penalties.shape != (2 * G,):
         raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
                          f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
-    _check_binary(rewards, "rewards")
+    _check_rewards(rewards, "rewards")
     if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
-    pos = (rewards == 1).nonzero().flatten()  # (n_pos,) rollout order
-    neg = (rewards == 0).nonzero().flatten()  # (n_neg,)
+    above = (rewards > rewards.mean()) | (rewards == 1)  # what the update reinforces (A > 0), or perfect
+    pos = above.nonzero().flatten()  # (n_pos,) rollout order
+    neg = (~above).nonzero().flatten()  # (n_neg,)
     if mode == "sample":
         keep = roc_sample(pos, neg, penalties[pos], G, generator, eps)
     else:
@@ -156,24 +175,51 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
     return pos[torch.sort(pos_penalties, stable=True).indices[:k_pos]], neg[:k_neg]
 
 
-def advantages(rewards, eps=1e-6):
+def advantages(rewards, scale="std", eps=1e-6):
     """
     Group-normalised advantages (paper Eq. 7): A_i = (r_i - mean(r)) / (std(r) + eps) over the G kept
     rollouts of each group. std is the unbiased one (torch.std, as verl's GRPO estimator). A uniform
     group gets A = 0. Each value is broadcast to every token of its trajectory by policy_loss.
+    scale="none": A_i = r_i - mean(r), Dr. GRPO's (no division by the std).
 
     rewards: (num_groups, G) float tensor. Returns the same shape.
     """
-    if rewards.dim() != 2 or rewards.size(1) < 2:
-        raise ValueError(f"rewards must be (num_groups, G) with G >= 2, got shape {tuple(rewards.shape)}")
+    if rewards.dim() != 2 or rewards.size(1) < 2 or scale not in ("std", "none"):
+        raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale 'std' or 'none', got shape "
+                         f"{tuple(rewards.shape)} and {scale!r}")
     rewards = rewards.float()
-    mean = rewards.mean(dim=1, keepdim=True)  # (num_groups, 1)
-    std = rewards.std(dim=1, keepdim=True)  # (num_groups, 1)
-    return (rewards - mean) / (std + eps)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)  # (num_groups, G)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale == "std" else centred
+
+
+def loss_weights(sampled, questions, norm, max_tokens=None):
+    """
+    One weight per trajectory of a mini-batch, for loss = 1/N sum_i w_i sum_t l_it with N = sum(sampled),
+    the mini-batch's sampled tokens (policy_loss's num_tokens, which also stays the denominator of the logged
+    clip and entropy means). sampled: sampled tokens of each trajectory; questions: its question's id.
+    norm="token": w = 1, every token weighs the same (DAPO's token-mean);
+    "group" (paper Eq. 6): N / (Q n_q), every question weighs the same, Q questions with n_q tokens each;
+    "sequence": N / (S |o_i|), every one of the S trajectories weighs the same (GRPO's original, and GSPO's);
+    "constant" (Dr. GRPO): N / (S max_tokens), a fixed divisor whatever the lengths.
+    A positive weight per trajectory commutes with the clip, so it rides on the advantage.
+    """
+    n, s = sum(sampled), len(sampled)
+    if norm == "token":
+        return [1.0] * s
+    if norm == "group":
+        size = {}
+        for q, k in zip(questions, sampled):
+            size[q] = size.get(q, 0) + k
+        return [n / (len(size) * size[q]) for q in questions]
+    if norm == "sequence":
+        return [n / (s * max(k, 1)) for k in sampled]
+    if norm == "constant" and max_tokens:
+        return [n / (s * max_tokens)] * s
+    raise ValueError(f"loss_norm must be 'token', 'group', 'sequence' or 'constant' (with max_tokens), got {norm!r}")
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.28, *,
-                dual_clip=None, num_tokens=None, weights=None, return_stats=False):
+                dual_clip=None, num_tokens=None, weights=None, seq_ids=None, return_stats=False):
     """
     Clipped surrogate loss of GRPO-RoC (the surrogate of paper Eq. 6), to minimise:
 
@@ -182,9 +228,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
 
     with clip-higher (eps_high > eps_low lets rare tokens grow), no KL and no entropy term.
     N is a token count, so every sampled token weighs the same, however long its trajectory (not a mean
-    per sequence then over sequences). N defaults to mask.sum() of this call. Eq. 6 normalises per
-    question instead: scale each trajectory's advantage by N / (questions * its question's tokens)
-    (a positive weight commutes with the clip; train_rl.py does this for loss_norm="group").
+    per sequence then over sequences). N defaults to mask.sum() of this call. Other divisors (Eq. 6's per
+    question, per sequence, Dr. GRPO's constant) scale each trajectory's advantage: see loss_weights.
+    seq_ids (B, T), which trajectory each token belongs to, makes the ratio a sequence's (GSPO): rho_i =
+    exp(mean over its mask-1 tokens of log-ratio), the same for all its tokens, clipped as a whole.
     For gradient accumulation over micro-batches pass num_tokens = mask-1 tokens of the whole
     mini-batch: the sum of the micro-batch losses is then the token-mean of the mini-batch. Across
     ranks, pass the count summed over all ranks and multiply the loss by the world size, since
@@ -224,6 +271,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
 
     # zero the log-ratio off the mask first, so garbage there cannot turn into nan gradients
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
+    if seq_ids is not None:  # GSPO: each token gets its sequence's mean log-ratio (gradient to all its tokens)
+        log_ratio = torch.where(mask, seq_mean(log_ratio, mask, seq_ids), 0.0)
     ratio = torch.exp(log_ratio)  # (B, T)
     adv = advantages.detach()
     adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
@@ -284,17 +333,20 @@ def tis_weights(trainer_logprobs, engine_logprobs, cap):
     return torch.exp(trainer_logprobs - engine_logprobs).clamp(max=cap)
 
 
+def seq_mean(values, mask, seq_ids):
+    """(B, T): at each token, the mean of `values` over the mask-1 tokens of its sequence (differentiable).
+    seq_ids (B, T): which trajectory each token belongs to (ints >= 0)."""
+    ids, m = seq_ids.flatten().long(), mask.flatten().bool()
+    n = int(ids.max()) + 1
+    total = values.new_zeros(n).scatter_add(0, ids, torch.where(m, values.flatten(), 0.0))
+    count = values.new_zeros(n).scatter_add(0, ids, m.to(values.dtype))
+    return (total / count.clamp(min=1))[seq_ids.long()]
+
+
 def sequence_mask(trainer_logprobs, engine_logprobs, mask, seq_ids, band):
     """
     mask with every trajectory dropped whose mean log-ratio (trainer - engine) over its mask-1 tokens lies
     outside [-band, band]: a sequence the trainer would not have sampled is left out of the update.
-    seq_ids (B, T): which trajectory each token belongs to (ints >= 0).
     """
     mask = mask.bool()
-    d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0).flatten()
-    ids = seq_ids.flatten().long()
-    n = int(ids.max()) + 1
-    total = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, ids, d)
-    count = torch.zeros(n, dtype=d.dtype, device=d.device).scatter_add_(0, ids, mask.flatten().to(d.dtype))
-    ok = (total / count.clamp(min=1)).abs() <= band  # (n,)
-    return mask & ok[seq_ids.long()]
+    return mask & (seq_mean(trainer_logprobs - engine_logprobs, mask, seq_ids).abs() <= band)

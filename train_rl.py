@@ -28,7 +28,6 @@ Weights for generation: each rank keeps an unsharded inference copy of the polic
 to its FSDP2 training shards; after every optimizer step each parameter is gathered with
 `full_tensor()` one at a time and copied into it (a 14B model: 29.6 GB bf16 per rank; see README).
 """
-import collections
 import functools
 import glob
 import gzip
@@ -94,7 +93,10 @@ eps_low = 0.2
 eps_high = 0.28
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
-loss_norm = "token"  # "token": mean over every sampled token of the mini-batch; "group": Eq. 6's per question
+# the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
+adv_scale = "std"  # advantages divided by the group's std (Eq. 7), or "none" (Dr. GRPO)
+loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
+ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
 max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
 activation_checkpointing = False
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
@@ -116,11 +118,13 @@ if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split 
     print0("deterministic=true on several ranks: rollout_split = 'static'")
 # -----------------------------------------------------------------------------
 
-if loss_norm not in ("token", "group") or max_prompt_tokens + max_response_tokens > max_tokens_per_micro:
-    raise SystemExit(f"config error: need loss_norm 'token' or 'group' (got {loss_norm!r}), and a whole trajectory "
-                     f"in one micro-batch: max_prompt_tokens + max_response_tokens = "
-                     f"{max_prompt_tokens + max_response_tokens} > max_tokens_per_micro = {max_tokens_per_micro}: "
-                     "raise max_tokens_per_micro or lower the other two")
+for key, value, allowed in (("adv_scale", adv_scale, ("std", "none")), ("ratio_level", ratio_level, ("token", "sequence")),
+                            ("loss_norm", loss_norm, ("token", "group", "sequence", "constant"))):
+    if value not in allowed:
+        raise SystemExit(f"config error: {key} must be one of {allowed}, got {value!r}")
+if max_prompt_tokens + max_response_tokens > max_tokens_per_micro:  # a whole trajectory in one micro-batch
+    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_prompt_tokens + max_response_tokens} "
+                     f"> max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
 ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
@@ -287,7 +291,7 @@ while step < steps:
     stats = {}
     mism = {k: torch.zeros((), device=device) for k in ("abs", "max", "k3", "out", "n")}
     if kept:
-        advs = grpo_roc.advantages(torch.stack(kept_rewards)).flatten().tolist()
+        advs = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale).flatten().tolist()
         kept = [t for g in kept for t in g]
         for t, a in zip(kept, advs):
             t.rl["advantage"] = a  # also marks it kept, for the dump
@@ -306,16 +310,10 @@ while step < steps:
         # old ones and a second forward would only repeat it; otherwise every mini-batch's come first
         minis = []
         for part, (bins, _) in zip(parts, plans):
-            scaled = list(advs)
-            if loss_norm == "group":
-                # Eq. 6: 1/|o| over each question's kept tokens, then the mean over questions. A positive weight
-                # per trajectory commutes with the clip, so it rides on the advantage: loss = sum(w * l) / N
-                size = collections.Counter()
-                for i in part:
-                    size[kept[i].key[1]] += kept[i].n_sampled  # sampled tokens of each question's kept trajectories
-                n = sum(size.values())
-                for i in part:
-                    scaled[i] = advs[i] * n / (len(size) * size[kept[i].key[1]])
+            # the loss divisor as one weight per trajectory (token-mean: 1), riding on its advantage
+            w = grpo_roc.loss_weights([kept[i].n_sampled for i in part], [kept[i].key[1] for i in part], loss_norm,
+                                      max_response_tokens)
+            scaled = dict(zip(part, (a * x for a, x in zip((advs[i] for i in part), w))))
             micros = [micro_batch(kept, idx, scaled, tokens) for idx in bins]
             n_tokens = torch.tensor(float(sum(kept[i].n_sampled for i in part)), device=device)
             old = None
@@ -335,9 +333,10 @@ while step < steps:
                 weights = grpo_roc.tis_weights(old_lp, elp, tis_cap) if tis_cap else None
                 if mismatch_band:
                     mask = grpo_roc.sequence_mask(old_lp, elp, mask, m["tid"], mismatch_band)
-                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], mask, eps_low=eps_low,
-                                                eps_high=eps_high, dual_clip=dual_clip or None,
-                                                num_tokens=n_tokens, weights=weights, return_stats=True)
+                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], mask, eps_low=eps_low, eps_high=eps_high,
+                                                dual_clip=dual_clip or None, num_tokens=n_tokens, weights=weights,
+                                                seq_ids=m["tid"] if ratio_level == "sequence" else None,
+                                                return_stats=True)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch (all ranks, summed below)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import grpo_roc
-from grpo_roc import advantages, filter_groups, penalty, policy_loss, resample_on_correct
+from grpo_roc import advantages, filter_groups, loss_weights, penalty, policy_loss, resample_on_correct
 
 
 # ----------------------------------------------------------------------------- penalty
@@ -47,8 +47,10 @@ def test_filter_groups():
     assert (n_correct, n_wrong) == (2, 1)
     keep, n_correct, n_wrong = filter_groups(torch.zeros(3, 8))
     assert keep.tolist() == [] and (n_correct, n_wrong) == (0, 3)
-    with pytest.raises(ValueError, match="0/1"):
-        filter_groups(torch.tensor([[0.5, 1.0]]))
+    # rewards in [0, 1] (partial credit): uniform means all equal
+    assert filter_groups(torch.tensor([[0.5, 1.0], [0.5, 0.5]]))[0].tolist() == [0]
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        filter_groups(torch.tensor([[1.5, 1.0]]))
     with pytest.raises(ValueError, match="num_groups, 2G"):
         filter_groups(torch.ones(4))
 
@@ -158,8 +160,8 @@ def test_roc_bad_input():
     gen = torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="shape"):
         resample_on_correct(rewards, penalties, 5, gen)
-    with pytest.raises(ValueError, match="0/1"):
-        resample_on_correct(rewards * 0.5, penalties, 4, gen)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        resample_on_correct(rewards * 2, penalties, 4, gen)
     with pytest.raises(ValueError, match=">= 0"):
         resample_on_correct(rewards, -penalties, 4, gen)
     with pytest.raises(ValueError, match="torch.Generator"):
@@ -444,3 +446,51 @@ def test_corrections_change_nothing_without_mismatch():
     w = torch.tensor([[2.0] * 7, [0.5] * 7, [1.0] * 7])
     want = policy_loss(lp, old, adv * torch.tensor([2.0, 0.5, 1.0]), mask)
     torch.testing.assert_close(policy_loss(lp, old, adv, mask, weights=w), want)
+
+
+# ----------------------------------------------------------------------------- the loss seam: Dr. GRPO, GSPO
+
+def test_dr_grpo_loss_hand_computed():
+    # configs/dr_grpo.py: adv_scale="none", loss_norm="constant". One group, rewards 1 0 0 0, sampled tokens
+    # 2 1 1 1, max response tokens 4: A = r - 0.75 = (0.75, -0.25, -0.25, -0.25), no std; on-policy (ratio 1),
+    # a token's loss is -A, and the divisor is S x max_tokens = 4 x 4 whatever the lengths
+    adv = advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), "none")[0]
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    sampled = [2, 1, 1, 1]
+    w = loss_weights(sampled, [0, 0, 0, 0], "constant", max_tokens=4)
+    assert w == [5 / 16] * 4  # N / (S max_tokens), N = 5
+    lp = torch.zeros(4, 2, requires_grad=True)  # (B, T): row i has sampled[i] tokens
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0], [1, 0]])
+    loss = policy_loss(lp, lp.detach(), adv * torch.tensor(w), mask, num_tokens=torch.tensor(5.0))
+    assert loss.item() == pytest.approx(-(0.75 * 2 - 0.25 * 3) / 16)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv[:, None] / 16 * mask)
+    # the other divisors on the same trajectories: token-mean 1/5, Eq. 6 (one question: the same), per sequence
+    assert loss_weights(sampled, [0] * 4, "token") == loss_weights(sampled, [0] * 4, "group") == [1.0] * 4
+    assert loss_weights(sampled, [0] * 4, "sequence") == [5 / 8, 5 / 4, 5 / 4, 5 / 4]
+    assert loss_weights([2, 6], [0, 1], "group") == [2.0, 2 / 3]  # two questions: each weighs half
+    with pytest.raises(ValueError, match="loss_norm"):
+        loss_weights(sampled, [0] * 4, "constant")
+
+
+def test_gspo_loss_hand_computed():
+    # configs/gspo.py: ratio_level="sequence", loss_norm="sequence". Two trajectories packed in one row:
+    # log-ratios 0.1, 0.3 (seq 0, A = +1) and -0.5 (seq 1, A = -1); eps 0.2 / 0.28 here, to see one clip
+    new = torch.tensor([[0.1, 0.3, -0.5, 0.0]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    seq = torch.tensor([[0, 0, 1, 1]])
+    w = torch.tensor(loss_weights([2, 1], [0, 1], "sequence"))  # N / (S |o_i|) = 3/4, 3/2
+    adv = torch.tensor([[1.0, 1.0, -1.0, 0.0]]) * w[seq[0]]
+    loss = policy_loss(new, old, adv, mask, num_tokens=torch.tensor(3.0), seq_ids=seq)
+    # seq 0: rho = e^0.2 = 1.2214 inside the clip: -1.2214; seq 1: rho = e^-0.5 = 0.6065 < 0.8, A < 0:
+    # min(-0.6065, -0.8) = -0.8, loss 0.8, clipped. The mean over the two sequences:
+    assert loss.item() == pytest.approx((-math.exp(0.2) + 0.8) / 2, abs=1e-6)
+    loss.backward()
+    # d/d lp of seq 0's tokens: -(1/2) e^0.2 (1/2) each (the mean spreads it); seq 1 is clipped: no gradient
+    torch.testing.assert_close(new.grad, torch.tensor([[-math.exp(0.2) / 4] * 2 + [0.0, 0.0]]))
+    # one token per sequence: the sequence ratio is the token ratio
+    lp = torch.tensor([[0.1, -0.2]], requires_grad=True)
+    a = policy_loss(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
+    b = policy_loss(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), seq_ids=torch.tensor([[0, 1]]))
+    assert a.item() == b.item()

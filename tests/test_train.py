@@ -73,6 +73,13 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("overlay", ["configs/dr_grpo.py", "configs/gspo.py"])
+def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
+    rl(sft, tmp_path / "r", "--steps=2", overlay)
+    metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2] and any(m["grad_norm"] > 0 for m in metrics)
+
+
 def test_a_trajectory_longer_than_a_micro_batch_is_refused_at_start(tmp_path):
     # before, packing retried with one more bin per rank at a time: cubic in their number (weeks at stage 1)
     out = run("train_rl.py", "configs/tiny_rl.py", "--max_tokens_per_micro=200", f"--run_dir={tmp_path}", check=False)
