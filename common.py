@@ -60,6 +60,24 @@ def compute_cleanup():
         dist.destroy_process_group()
 
 
+def resolve_model(path, key="model_path"):
+    """A local model directory for `path`: the directory itself, or a Hugging Face Hub id (Qwen/Qwen3-14B-Base)
+    resolved once to its snapshot in the local cache, downloading it if needed and allowed (HF_HUB_OFFLINE=1:
+    the cache only). Under torchrun the first rank of each node fetches while the others wait, then all read the
+    cache. Anything else exits with one line naming the key and what was looked for."""
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+    try:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            snapshot_download(path)
+        barrier()
+        return snapshot_download(path, local_files_only=True)
+    except Exception as e:
+        why = "not a valid Hub id" if type(e).__name__ == "HFValidationError" else (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"config error: {key}={path!r} is no directory, nor a Hugging Face Hub model that resolves: {why}")
+
+
 def print0(*args, **kwargs):
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)

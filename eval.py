@@ -200,7 +200,7 @@ if __name__ == "__main__":
     import torch
     from transformers import AutoTokenizer
 
-    from common import barrier, compute_cleanup, compute_init, latest_checkpoint, print0, read_jsonl
+    from common import barrier, compute_cleanup, compute_init, latest_checkpoint, print0, read_jsonl, resolve_model
     from configurator import configure
     from model import load_model
     from rollout import Engine, kv_rows
@@ -237,6 +237,7 @@ if __name__ == "__main__":
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
         sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
+    model_path = resolve_model(model_path)
     if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path, weights=True):
         model_path = latest_checkpoint(model_path, weights=True)  # a run directory: its newest weights
     if not os.path.isfile(os.path.join(model_path, "config.json")):

@@ -45,7 +45,8 @@ from transformers import AutoTokenizer
 import agent
 import grpo_roc
 from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
-                    load_trainable, load_trainer_state, pack, print0, read_jsonl, save_checkpoint)
+                    load_trainable, load_trainer_state, pack, print0, read_jsonl, resolve_model,
+                    save_checkpoint)
 from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
@@ -126,6 +127,7 @@ if max_prompt_tokens + max_response_tokens > max_tokens_per_micro:  # a whole tr
     raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_prompt_tokens + max_response_tokens} "
                      f"> max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
+model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -208,7 +208,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from common import Logger, collate, compute_cleanup, compute_init, load_trainable, pack, print0
+    from common import Logger, collate, compute_cleanup, compute_init, load_trainable, pack, print0, resolve_model
     from configurator import configure
     from model import save_model, token_logprobs, use_flash
 
@@ -236,6 +236,7 @@ if __name__ == "__main__":
         sys.exit(f"config error: max_seq_len={max_seq_len} > max_tokens_per_micro={max_tokens_per_micro}: raise "
                  "max_tokens_per_micro or lower max_seq_len")
     rank, world, device = compute_init(seed)
+    model_path = resolve_model(model_path)
     packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat_template:
@@ -254,8 +255,10 @@ if __name__ == "__main__":
                      "set chat_template=FILE")
         try:
             rows = index_file(path, fmt)
-        except (ValueError, OSError) as e:
+        except ValueError as e:
             sys.exit(f"data error: {e}")
+        except OSError as e:
+            sys.exit(f"data error: {path}: cannot read it ({e.strerror})")
         mix.append((path, fmt, float(weight), rows, open(path, "rb")))
         print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
     sizes, weights = [len(m[3]) for m in mix], [m[2] for m in mix]

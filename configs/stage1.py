@@ -16,6 +16,7 @@ lr = 1e-6                    # constant after warm-up
 warmup_steps = 20
 weight_decay = 0.01
 mini_batches = 1             # one optimizer step per RL step, on fresh on-policy data
+loss_norm = "group"          # Eq. 6: each question weighs the same (1/sum|o_i| inside it); stages 2-3 inherit it
 max_tokens_per_micro = 20480 # verl's ppo_max_token_len_per_gpu in the released script
 activation_checkpointing = True
 dtype = "bfloat16"

@@ -2,6 +2,7 @@
 process) -> eval, plus start-up errors that name the file and line."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,10 +16,10 @@ from sandbox import SandboxPool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, ranks=1, check=True):
+def run(*args, ranks=1, check=True, env=None):
     launch = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     p = subprocess.run(launch + list(args), cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -78,6 +79,33 @@ def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
     rl(sft, tmp_path / "r", "--steps=2", overlay)
     metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and any(m["grad_norm"] > 0 for m in metrics)
+
+
+def test_hub_ids_resolve_offline_and_missing_paths_are_named(sft, tmp_path):
+    # a Hugging Face cache as huggingface_hub lays it out, holding the SFT model as "acme/tiny-sft"
+    snap = tmp_path / "hub" / "models--acme--tiny-sft" / "snapshots" / "0123abc"
+    shutil.copytree(sft / "sft", snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0123abc")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    ev = ("eval.py", "configs/tiny_eval.py", f"--data_path={sft}/data/rl.jsonl", f"--out_dir={tmp_path}/ev",
+          "--limit=1", "--samples=1", "--max_response_tokens=16", "--tool_workers=1")
+    out = run(*ev, "--model_path=acme/tiny-sft", env=env)
+    assert f"model {snap}" in out.stdout
+    for bad in ("/nonexistent", "acme/absent"):  # neither a directory nor an id in the cache
+        out = run(*ev, f"--model_path={bad}", env=env, check=False)
+        assert out.returncode != 0 and f"config error: model_path='{bad}' is no directory" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    # a data file that is not there: one line from each script, as for a bad line
+    missing = tmp_path / "missing.jsonl"
+    for cmd in [("train_rl.py", "configs/tiny_rl.py", f"--model_path={sft}/sft", f"--data_path={missing}",
+                 f"--run_dir={tmp_path}/x"),
+                ("eval.py", "configs/tiny_eval.py", f"--model_path={sft}/sft", f"--data_path={missing}"),
+                ("train_sft.py", "configs/tiny_sft.py", f"--model_path={sft}/sft", f"--data_mix=[('{missing}', 'rstar2', 1.0)]",
+                 f"--out_dir={tmp_path}/y")]:
+        out = run(*cmd, check=False)
+        assert out.returncode != 0 and f"data error: {missing}: cannot read it" in out.stderr, (cmd[0], out.stderr[-500:])
+        assert "Traceback" not in out.stderr, cmd[0]
 
 
 def test_a_trajectory_longer_than_a_micro_batch_is_refused_at_start(tmp_path):
