@@ -7,6 +7,7 @@ they print tables with both sides and the ratio; nothing asserts a speed.
     python bench.py a          # or l, b, c, p (p: profile, not part of the default run)
     python bench.py sandbox    # the tool sandbox pool vs a fresh python3 per call (~3 minutes)
     python bench.py scale      # what crosses ranks after a rollout phase, before / after, at 64-GPU scale
+    python bench.py mem        # one 14B rank's training transients (a layer's recompute, the output layer)
     python bench.py --threads=2 --reps=5
 
 The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
@@ -656,6 +657,52 @@ def sandbox_bench(isolation, timeout=4.0):
 
 
 # -----------------------------------------------------------------------------
+# (mem) the training transients of one 14B rank, measured without a GPU
+
+def mem_bench(tokens=20480):
+    """(mem) Qwen3-14B shapes, bf16, one micro-batch of `tokens` tokens: the peak memory of (1) one decoder layer
+    recomputed in its backward (activation checkpointing: what a layer's backward holds), (2) the chunked output
+    layer's log-probs, forward and backward. Run under FakeTensorMode with torch's MemTracker: every tensor has its
+    real shape and dtype and no data, so nothing is computed and the peaks are exact for this code (CPU SDPA's
+    memory-efficient causal kernel, linear in the tokens as flash-attn's is)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint
+    import model as M
+    cfg, dt, gib = M.Config(), torch.bfloat16, 2 ** 30
+    out = {}
+    with FakeTensorMode():
+        torch.set_default_dtype(dt)
+        layer = M.Block(cfg, 0)
+        head = torch.randn(cfg.vocab_size, cfg.hidden_size, requires_grad=True)
+        torch.set_default_dtype(torch.float32)
+        x = torch.randn(1, tokens, cfg.hidden_size, dtype=dt, requires_grad=True)
+        cos, sin = M.rope_cos_sin(torch.arange(tokens)[None], cfg, dt)
+        h, tg = x[0].detach().requires_grad_(), torch.randint(0, cfg.vocab_size, (tokens,))
+        for name, tracked, run in [
+                ("decoder layer, recomputed in its backward", (layer, x), lambda: checkpoint(
+                    layer, x, cos, sin, dict(flash=False, mask=None), use_reentrant=False).sum().backward()),
+                ("output layer, 1,024-token chunks", (head, h), lambda: torch.cat([checkpoint(
+                    M.chunk_logprobs, h[i:i + 1024], tg[i:i + 1024], head, False, use_reentrant=False)
+                    for i in range(0, tokens, 1024)]).sum().backward())]:
+            mt = MemTracker()
+            mt.track_external(*tracked)
+            with mt:
+                run()
+            peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]
+            kinds = {str(k).split(".")[-1].split(":")[0].lower(): v / gib for k, v in peak.items() if k != "Total"}
+            out[name] = kinds
+            print(f"(mem) {name}, {tokens} tokens: peak {peak['Total'] / gib:.2f} GiB = " +
+                  ", ".join(f"{k} {v:.2f}" for k, v in kinds.items() if v >= 0.01))
+    # the rest follows from the shapes: the root's embedding and head, gathered in bf16, get full-size bf16
+    # gradients that FSDP casts to fp32 (reduce_dtype) before the reduce-scatter
+    root = 2 * cfg.vocab_size * cfg.hidden_size
+    print(f"(mem) embedding + output-layer gradients before their reduce-scatter: {root * 2 / gib:.2f} GiB bf16 "
+          f"+ {root * 4 / gib:.2f} GiB fp32 = {root * 6 / gib:.2f} GiB")
+    return out
+
+
+# -----------------------------------------------------------------------------
 # (scale) what crosses ranks after a stage-1 rollout phase, before and after compact trajectories
 
 PAPER_RANKS, PAPER_TRAJS = 64, 16384  # 512 prompts x 32 rollouts on 64 GPUs
@@ -856,6 +903,8 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
+    if args.sections == ["mem"]:
+        sys.exit(mem_bench() and 0)
     if args.sections == ["scale"]:
         sys.exit(scale_bench(per_rank=args.per_rank))
     unknown = set(args.sections) - set("albkcpug")
