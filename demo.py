@@ -10,6 +10,10 @@ as a user would type it, and prints them:
   5. python eval.py              held-out avg@k after RL
   6. out/demo/curves.png + out/demo/summary.md
 
+`python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4 (engine in
+deterministic mode, so the same command gives the same table), evaluates each, and writes the paper's Fig. 4
+quantity with 95% intervals over the seeds and of the paired difference: out/demo/seeds.md, out/demo/seeds.png.
+
 `python demo.py --compare` also runs plain GRPO with the same seed and steps and plots both (the
 paper's Fig. 4 on a laptop: tool errors inside correct trajectories). `python demo.py --mismatch` runs
 GRPO-RoC twice more with the rollout engine's copy of the policy in bfloat16 (the trainer stays fp32, as
@@ -31,6 +35,7 @@ from common import read_metrics
 
 compare, mismatch = "--compare" in sys.argv, "--mismatch" in sys.argv
 seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seed=")), 0)
+n_seeds = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seeds=")), 0)
 out = "out/demo"
 os.makedirs(out, exist_ok=True)
 t_start = time.time()
@@ -56,6 +61,64 @@ def evaluate(model, name):
 sh("out/data/sft.jsonl", "data.py", "prepare", "--out=out/tiny-base", "--n_sft=5000", f"--seed={seed}")
 sh("out/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
 before = evaluate("out/tiny-sft", "sft")
+
+
+def seed_study(n):
+    """GRPO-RoC vs plain GRPO from the same SFT model, RL seeds 0..n-1; the paper's Fig. 4 with intervals."""
+    import statistics
+    from scipy.stats import t as student_t
+    arms = {"GRPO-RoC": [], "GRPO": ["--roc=false"]}
+    rows = {arm: [] for arm in arms}
+    for s in range(n):
+        for arm, extra in arms.items():
+            d = f"out/seeds/{arm.lower()}-s{s}"
+            sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={s}",
+               "--deterministic=true", "--dump_every=0", *extra)
+            m = read_metrics(d)
+            ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
+            mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+            rows[arm].append({"seed": s, "first": mean(m[:20], "tool_err_pos"), "last": mean(m[-20:], "tool_err_pos"),
+                              "acc": ev["avg@k"], "len": ev["mean_length"], "calls": ev["tool_calls"],
+                              "curve": [r["tool_err_pos"] for r in m]})
+
+    def ci(xs):  # mean and the half-width of its 95% interval (Student's t over the seeds)
+        return statistics.fmean(xs), student_t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
+    keys = [("first", "tool error ratio in correct traj., first 20 steps", 4), ("last", "... last 20 steps", 4),
+            ("acc", "held-out avg@4", 3), ("len", "mean response length", 1), ("calls", "tool calls / answer", 2)]
+    lines = ["| seed | arm | " + " | ".join(k[1] for k in keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for s in range(n):
+        for arm in arms:
+            r = rows[arm][s]
+            lines.append(f"| {s} | {arm} | " + " | ".join(f"{r[k]:.{p}f}" for k, _, p in keys) + " |")
+    for arm in arms:
+        lines.append(f"| mean ± 95% | {arm} | " + " | ".join(
+            "{:.{p}f} ± {:.{p}f}".format(*ci([r[k] for r in rows[arm]]), p=p) for k, _, p in keys) + " |")
+    lines.append("| paired | RoC − GRPO | " + " | ".join("{:+.{p}f} ± {:.{p}f}".format(*ci(
+        [a[k] - b[k] for a, b in zip(rows["GRPO-RoC"], rows["GRPO"])]), p=p) for k, _, p in keys) + " |")
+    text = "\n".join(lines) + f"\n\n{n} seeds; wall time {(time.time() - t_start) / 60:.1f} min\n"
+    open(f"{out}/seeds.md", "w").write(text)
+    print("\n" + text)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        w = 5  # the 5-step moving average of every seed, then mean and 95% band over the seeds
+        smooth = [[sum(c[max(0, j - w + 1):j + 1]) / len(c[max(0, j - w + 1):j + 1]) for j in range(len(c))]
+                  for c in (r["curve"] for r in rows[arm])]
+        mean, half = zip(*(ci(col) for col in zip(*smooth)))
+        steps = range(1, len(mean) + 1)
+        ax.plot(steps, mean, color=f"C{i}", label=f"{arm} (mean of {n} seeds)")
+        ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
+                        color=f"C{i}", alpha=0.2)
+    ax.set_xlabel("RL step")
+    ax.set_title("tool error ratio in correct trajectories (5-step mean, 95% band)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(f"{out}/seeds.png", dpi=100)
+    print(f"plot: {out}/seeds.png")
+
+
+if n_seeds:
+    seed_study(n_seeds)
+    sys.exit(0)
 runs = {"GRPO-RoC": ("out/tiny-rl", [])}
 if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
     runs["GRPO"] = ("out/tiny-grpo", ["--roc=false"])
