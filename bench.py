@@ -757,7 +757,10 @@ def scale_worker(rank, world, init, variant, n, mean_tokens, results):
         secs = time.perf_counter() - t0
         gathers = {"all_gather_object(trajectories)": (sum(len(pickle.dumps(p)) for p in everything), secs)}
     else:  # every rank gets the summaries; the tokens of half the trajectories move, to the rank that trains them
-        summaries = scheduler.gather_summaries(mine)
+        local = [scheduler.summarize(t) for t in mine]  # (its own trajectories: scales with them, not with all)
+        t_local = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        summaries = sorted((s for part in scheduler.gather(local) for s in part), key=lambda s: s.key)
         t1 = time.perf_counter()
         kept = summaries[::2]  # RoC keeps G of 2G
         dest = {s.key: j % world for j, s in enumerate(kept)}
@@ -765,7 +768,7 @@ def scale_worker(rank, world, init, variant, n, mean_tokens, results):
         t2 = time.perf_counter()
         sent = [scheduler.compact(t) for t in mine if t.key in dest]
         gathers = {"gather_summaries": (len(pickle.dumps(summaries)), t1 - t0),
-                   "exchange (tokens, in + out)": (len(pickle.dumps(got)) + len(pickle.dumps(sent)), t2 - t1)}
+                   "summarise own + exchange tokens": (len(pickle.dumps(got)) + len(pickle.dumps(sent)), t2 - t1 + t_local)}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0
     t_gc = time.perf_counter()
     gc.collect()
@@ -804,7 +807,7 @@ def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
             secs = sum(s for _, s in r["gathers"].values()) * scale
             mib = sum(b for b, _ in r["gathers"].values()) * scale / 2**20
             peak = r["peak_mib"] * scale
-        else:  # summaries of all; tokens of its own 1/64 share
+        else:  # summaries of all; tokens of its own 1/64 share (and the summarising of its own trajectories)
             (bs, ss), (bx, sx) = r["gathers"].values()
             mine = PAPER_TRAJS / PAPER_RANKS / r["n"]
             secs, mib = ss * scale + sx * mine, (bs * scale + bx * mine) / 2**20
