@@ -56,8 +56,11 @@ Choices that differ from the release on purpose (none changes the form of what t
 - tool name execute_python_code_with_standard_io (paper Fig. 3, the HF model card) where the repo's
   yaml registers python_code_with_standard_io: the released weights call the former, and the repo's
   loop would answer every such call "Error when executing tool: 'execute_python_code_with_standard_io'";
-- the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule), and uses
-  math-verify only (the code OR-s it with the PRIME grader);
+- the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule) of the final
+  assistant turn, outside its tool calls, and uses math-verify only (the code OR-s it with the PRIME
+  grader, on the whole response), with our own guards around it: separators and spaces normalised, a
+  percent read as its number, a hedge between two different numbers 0, oversized answers refused (the
+  rule is reward()'s docstring);
 - the reference template's quirk (an assistant message without tool calls is rendered with the user
   prefix) is not reproduced by render_conversation.
 Where we cannot be identical (the release's text depends on things we do not have):
@@ -70,16 +73,18 @@ Where we cannot be identical (the release's text depends on things we do not hav
   (sandbox_worker.py lists what else of its harness cannot be the same).
 """
 
-import atexit
 import concurrent.futures
 import json
 import logging
 import os
+import queue
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -165,7 +170,6 @@ class ToolCall:
 # own infrastructure being busy, not the policy's fault.
 TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
 OUTPUT_CAP = 1000  # chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
 OVERLOADED = EXEC_ERROR + "run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
@@ -193,18 +197,27 @@ def _parse_one_call(block):
     return ToolCall(code=code, stdin=stdin or "")
 
 
+def _blocks(text, start, end):
+    # (begin, end) of the content of each start...end block of text, left to right: what re.findall with
+    # start + "(.*?)" + end finds, in linear time (that lazy regex rescans the rest of the text from every
+    # unclosed start tag: quadratic in a turn that repeats one)
+    i = 0
+    while (s := text.find(start, i)) >= 0 and (e := text.find(end, s + len(start))) >= 0:
+        yield s + len(start), e
+        i = e + len(end)
+
+
 def parse_tool_calls(turn_text, max_calls=1):
     """
     The tool calls of a finished assistant turn: its first max_calls <tool_call>...</tool_call> blocks,
     in order. Each item is a ToolCall to execute or a str to answer with verbatim (bad JSON, unknown
     tool, bad arguments). Blocks beyond max_calls are dropped, and a turn without both tags has no
-    calls, as in the release.
+    calls, as in the release. It runs on the decode loop, so it is linear in the turn's length and
+    parses only the blocks it returns.
     """
     if max_calls < 1:
         raise ValueError(f"max_calls must be >= 1, got {max_calls}")
-    if "<tool_call>" not in turn_text or "</tool_call>" not in turn_text:
-        return []
-    return [_parse_one_call(block) for block in _TOOL_CALL_RE.findall(turn_text)[:max_calls]]
+    return [_parse_one_call(turn_text[a:b]) for _, (a, b) in zip(range(max_calls), _blocks(turn_text, "<tool_call>", "</tool_call>"))]
 
 
 def truncate(text, max_chars):
@@ -357,7 +370,14 @@ def render_conversation(tokenizer, messages):
 # -----------------------------------------------------------------------------
 # answer extraction and the 0/1 reward
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+MAX_ANSWER_CHARS = 1000  # a longer answer is refused unread (0): math-verify's time grows with it
+MAX_DEPTH = 10  # so is one nested deeper in ( [ { (\left( included): math-verify's parser is exponential in it
+_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
+# a thousands separator: a space of any kind, \, \; \: "\ " ~ or {,} between a digit and a group of three
+_SEPARATOR_RE = re.compile(r"(?<=\d)(?:\s|\\[,;: ]|~|\{,\})(?=\d{3}(?!\d))")
+# the relations that say "equals": an answer whose sides hold two different values is a hedge
+_RELATION_RE = re.compile(r":=|\\coloneqq|=|\\(?:approxeq|approx|equiv|simeq|sim|cong|doteq)(?![A-Za-z])|[≈≡≃≅]")
+_ZERO = {"reward": 0.0, "answers": 0, "pred": None}  # a grade that could not be made
 
 
 def mask_runs(tokenizer, ids, mask):
@@ -372,26 +392,37 @@ def mask_runs(tokenizer, ids, mask):
 
 
 def sampled_turns(tokenizer, ids, mask):
-    """The text of each run of tokens the policy sampled (mask 1), in order. Answers are read from these
-    only: code that prints '<answer>\\boxed{7}</answer>' must not supply the answer, and a block cannot
-    span a tool response."""
+    """The text of each run of tokens the policy sampled (mask 1), in order: one per assistant turn.
+    Answers are read from these only: code that prints '<answer>\\boxed{7}</answer>' must not supply the
+    answer, and a block cannot span a tool response."""
     return [text for text, m in mask_runs(tokenizer, ids, mask) if m]
 
 
-def _texts(text):
-    return [text] if isinstance(text, str) else list(text)
+def _pieces(text):
+    # the turns of a text or a list of sampled turns, each cut into the pieces outside its <tool_call>
+    # blocks (an unclosed one runs to the end of its turn): what an answer may be read from
+    out = []
+    for turn in [text] if isinstance(text, str) else text:
+        pieces, i = [], 0
+        for a, b in _blocks(turn, "<tool_call>", "</tool_call>"):
+            pieces.append(turn[i:a - len("<tool_call>")])
+            i = b + len("</tool_call>")
+        out.append(pieces + [turn[i:].split("<tool_call>", 1)[0]])
+    return out
 
 
 def count_answers(text):
-    """Number of complete <answer>...</answer> blocks in a text or a list of sampled turns (the paper
-    allows one)."""
-    return sum(len(_ANSWER_RE.findall(t)) for t in _texts(text))
+    """Number of complete <answer>...</answer> blocks outside tool calls, over all the turns of a text or a
+    list of sampled turns (the paper allows one: RoC's p_format counts the extra ones of the trajectory)."""
+    return sum(1 for turn in _pieces(text) for p in turn for _ in _blocks(p, "<answer>", "</answer>"))
 
 
 def extract_answer(text):
-    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block of a text or
-    a list of sampled turns, else None."""
-    blocks = [b for t in _texts(text) for b in _ANSWER_RE.findall(t)]
+    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block of the final
+    turn (a text is one turn; of a list of sampled turns, the last), outside its tool calls; else None.
+    An answer written in an earlier turn, or in a tool call's code, is not the final answer."""
+    final = (_pieces(text) or [[]])[-1]
+    blocks = [p[a:b] for p in final for a, b in _blocks(p, "<answer>", "</answer>")]
     if not blocks:
         return None
     block = blocks[-1]
@@ -412,128 +443,291 @@ def extract_answer(text):
     return None  # unbalanced
 
 
+def _normalise(s):
+    # zero-width characters out, thousands separators out, the percent sign out, any space -> one " "
+    s = _SEPARATOR_RE.sub("", s.translate(_ZERO_WIDTH))
+    return " ".join(re.sub(r"\\text\{\\%\}|\\?%", "", s).split())
+
+
 def _plain_int(s):
-    # '-0012' -> '-12', '+0' -> '0'; None if s is not a plain integer
-    m = re.fullmatch(r"([+-]?)0*(\d+)", s.strip())
+    # '-0012' -> '-12', '+0' -> '0'; None if s is not a plain integer (linear: "0*(\d+)" would backtrack)
+    m = re.fullmatch(r"([+-]?)(\d+)", s.strip())
     if m is None:
         return None
-    return ("-" if m.group(1) == "-" and m.group(2) != "0" else "") + m.group(2)
+    digits = m.group(2).lstrip("0") or "0"
+    return ("-" if m.group(1) == "-" and digits != "0" else "") + digits
 
 
-# math-verify runs in one persistent helper process (this file run as a script): its own timeouts use
-# signal.alarm, which fails off the main thread and cannot interrupt long C-level sympy/bigint work, so
-# we disable them and instead kill the helper when it overruns, restarting it on the next call.
-_verifier = None
-_verifier_pid = None  # the process that started it: a forked child must not share its pipes
-_verifier_lock = threading.Lock()
+def _too_big(s):
+    if len(s) > MAX_ANSWER_CHARS:
+        return True
+    depth = 0
+    for c in s:
+        depth += (c in "([{") - (c in ")]}")
+        if depth > MAX_DEPTH:
+            return True
+    return False
 
 
-def _stop_verifier():
-    global _verifier
-    if _verifier is not None and _verifier_pid == os.getpid():
-        _verifier.kill()
-        _verifier.wait()
-    _verifier = None
+def _talk(proc, data, timeout):
+    # send data to a helper and read its one-line answer, all within timeout seconds and never blocking past
+    # it (writes are non-blocking: a stopped helper leaves the pipe full); None if it is late or gone
+    end, out, poll = time.monotonic() + timeout, b"", select.poll()
+    poll.register(proc.stdout, select.POLLIN)
+    if data:
+        poll.register(proc.stdin, select.POLLOUT)
+    try:
+        while not out.endswith(b"\n"):
+            events = poll.poll(max(0.0, end - time.monotonic()) * 1000)
+            if not events:
+                return None
+            for fd, _ in events:
+                if fd == proc.stdout.fileno():
+                    chunk = os.read(fd, 64)
+                    if not chunk:  # it died
+                        return None
+                    out += chunk
+                else:
+                    data = data[os.write(fd, data):]
+                    if not data:
+                        poll.unregister(fd)
+    except OSError:  # broken pipe: it died
+        return None
+    return out
 
 
-atexit.register(_stop_verifier)
-
-
-def _read_line(proc, timeout):
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline() if ready else None
-
-
-def _math_verify(gold, answer, timeout, start_timeout=120.0):
-    global _verifier, _verifier_pid
-    with _verifier_lock:  # one request in flight at a time, from any thread
-        if _verifier is None or _verifier_pid != os.getpid() or _verifier.poll() is not None:
-            # own session, so a Ctrl-C reaches only the caller; atexit (or EOF on its stdin) ends the helper
-            _verifier = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--verify-server"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-            _verifier_pid = os.getpid()
-            if _read_line(_verifier, start_timeout) != "ready\n":  # sympy import happens here, not in timeout
-                _stop_verifier()
-                raise RuntimeError("the math-verify helper process did not start (is math-verify installed?)")
-        try:
-            _verifier.stdin.write(json.dumps([gold, answer]) + "\n")
-            _verifier.stdin.flush()
-            line = _read_line(_verifier, timeout)
-        except BrokenPipeError:  # it died since the poll() above
-            line = ""
-        if line not in ("1\n", "0\n"):  # overran (None) or died (""): kill it, count as wrong
-            _stop_verifier()
-            return False
-        return line == "1\n"
-
-
-def _serve_verifier():
-    # the helper's loop: one JSON [gold, answer] per line in, "1" or "0" per line out
+def _verify(gold, answer):
+    # in the helper: math-verify's verdict, then the hedge check: the sides of the answer's relations that
+    # are numbers (sympy's is_number: not x, m + n or f(2)) must all be equal
     from math_verify import parse, verify
+    box = lambda s: parse("\\boxed{" + s + "}", parsing_timeout=None)  # noqa: E731
+    g, p = box(gold), box(answer)
+    if not (g and p and verify(g, p, timeout_seconds=None)):
+        return False
+    numbers = [q for q in map(box, _RELATION_RE.split(answer)) if q and getattr(q[0], "is_number", False)]
+    return all(verify(numbers[0], q, timeout_seconds=None) for q in numbers[1:])
+
+
+def _serve_verifier(parent):
+    # the helper (this file run with --verify-server <pid>): one JSON [gold, answer] per line in, "1" or "0"
+    # per line out. It dies with the thread that started it, even a SIGKILLed one (the kernel's
+    # PR_SET_PDEATHSIG: no thread of ours needs to be scheduled, and C-level sympy work holds the GIL)
+    if sys.platform == "linux":
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the prctl
+        return
+    import math_verify  # noqa: F401  (the slow import, before "ready")
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings: we know
     out, sys.stdout = sys.stdout, sys.stderr  # nothing but answers goes down the pipe
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
-        gold, answer = json.loads(line)
-        g = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-        p = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-        ok = bool(g) and bool(p) and verify(g, p, timeout_seconds=None)
+        try:
+            ok = _verify(*json.loads(line))
+        except Exception:
+            ok = False
         out.write("1\n" if ok else "0\n")
         out.flush()
 
 
 def reward(response_text, gold, timeout=5.0):
     """
-    1.0 if the answer extracted from response_text (a text or a list of sampled turns) equals gold per math-verify, else 0.0. Never hangs:
-    verification that takes longer than timeout seconds counts as wrong. Safe to call from any thread.
+    1.0 if the final answer of response_text (a text, or a list of sampled turns) equals gold, else 0.0.
+    The rule, in order:
+    1. the answer is the content of the last \\boxed{} inside the last <answer>...</answer> block of the
+       final assistant turn, outside its tool-call blocks (extract_answer); none -> 0;
+    2. answer and gold are normalised: zero-width characters dropped, thousands separators between a
+       digit and a group of three dropped (1\\,000, 1 000, 1~000, 1{,}000, a no-break or thin space:
+       1000), the percent sign dropped (700\\% reads 700: it equals the golds 700 and 700\\%, not 7),
+       runs of spaces of any kind made one " " and the ends stripped;
+    3. an answer over MAX_ANSWER_CHARS characters or nested deeper than MAX_DEPTH is refused: 0;
+    4. the same text, or the same plain integer (-0012 = -12), is 1 without math-verify;
+    5. otherwise math-verify (gold and answer each wrapped in \\boxed{}) decides, except that an answer
+       relating two different numbers is a hedge and gets 0: the sides of its =, :=, \\approx, \\equiv,
+       \\sim, ... that are numbers must all be equal (per math-verify). 8 = 7 and 7 \\approx 8 are 0 for
+       gold 7 (math-verify alone says 1: it reads one side of each); x = 7, m + n = 7, f(2) = 7 and
+       \\frac{14}{2} = 7 are 1 (a side with a name in it is not a number); \\frac{1}{3} \\approx 0.333 is 0
+       for gold 1/3 (math-verify does not take 0.333 for 1/3 either, 0.333333 it does). math-verify reads
+       the right side of =, so 7 = x is 0 for gold 7.
+    Verification that takes longer than timeout seconds is 0. One call starts its own math-verify helper
+    (a few seconds) when step 5 is reached: to grade many, use a Grader's reward().
     """
-    if not isinstance(gold, str):
-        raise ValueError(f"gold answer must be a string, got {type(gold).__name__}: {gold!r}")
-    answer = extract_answer(response_text)
-    if not answer:  # None or empty
-        return 0.0
-    if answer == gold.strip():
-        return 1.0
-    a, g = _plain_int(answer), _plain_int(gold)
-    if a is not None and g is not None:  # integer vs integer needs no sympy
-        return float(a == g)
-    return float(_math_verify(gold, answer, timeout))
+    g = Grader(None, timeout=timeout, helpers=1)
+    try:
+        return g.reward(response_text, gold)
+    finally:
+        g.close()
 
 
 class Grader:
     """
-    The engine's on_finish callback: grades each finished trajectory on a background thread, so the decode
-    loop never waits for math-verify (the paper's §3.1 verifies asynchronously too). The answer is read from
-    the sampled turns only. A trajectory cut by the response budget gets reward 0 without being read (paper
-    §4.3.1: truncated rollouts are kept with a negative outcome, a signal against rambling) unless
-    score_truncated, the released code's rule (it grades the text whatever the finish).
-    results() waits for the grades of the trajectories this process finished: {key: {reward, answers, pred}}.
+    The engine's on_finish callback: grades each finished trajectory on a pool of background threads, so
+    the decode loop never waits for math-verify (the paper's §3.1 verifies asynchronously too). The answer
+    is read from the sampled turns only (reward() has the rule). A trajectory cut by the response budget
+    gets reward 0 without being read (paper §4.3.1: truncated rollouts are kept with a negative outcome, a
+    signal against rambling) unless score_truncated, the released code's rule (it grades the text whatever
+    the finish).
+
+    Each grading thread owns one math-verify helper process (this file run with --verify-server), started
+    the first time it needs one: math-verify's own timeouts use signal.alarm, which fails off the main
+    thread and cannot interrupt long C-level sympy/bigint work, so the helper runs without them and is
+    killed when it overruns. helpers=None sizes the pool from the cores: cpus // LOCAL_WORLD_SIZE, 1 to 4
+    (a helper is ~60 MB: 8 ranks of 4 are ~2 GB a node; integer answers never start one). A thread that
+    calls reward() itself gets its own helper too, which dies when that thread ends.
+    Every grade is bounded, whatever the helper does: verification gets timeout seconds (a late, stopped or
+    dead helper is killed and replaced, the grade is 0); a helper gets start_timeout seconds to start, and
+    after a failed start no helper starts for 5 * start_timeout (grades that need one are 0 at once);
+    results() gives up on a grade still running 2 * timeout seconds after it began (plus start_timeout
+    while it starts a helper), scores it 0 and replaces its thread and helper. The helpers die with the
+    process (or with close()).
     """
 
-    def __init__(self, tokenizer, score_truncated=False, timeout=5.0):
-        self.tok, self.score_truncated, self.timeout = tokenizer, score_truncated, timeout
-        # one thread: the math-verify helper takes one request at a time anyway
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grader")
-        self.pending = {}
+    def __init__(self, tokenizer, score_truncated=False, timeout=5.0, helpers=None, start_timeout=60.0):
+        self.tok, self.score_truncated = tokenizer, score_truncated
+        self.timeout, self.start_timeout = timeout, start_timeout
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.size = helpers or max(1, min(4, (os.cpu_count() or 1) // local))
+        self.jobs, self.threads, self.pending = queue.SimpleQueue(), [], {}
+        self.procs, self.deadline = {}, {}  # thread id -> its helper / when its grade is late
+        self.down_until = 0.0  # no helper starts before this: the last start failed
+        self.lock = threading.Lock()
+        self.counts = dict.fromkeys(("timed_out", "refused", "failed", "helper_starts", "helper_start_failures"), 0)
+        self.stats = {}
 
     def __call__(self, traj):
-        # everything, decoding included, on the grader's thread: the engine only hands the trajectory over
-        self.pending[traj.key] = self.pool.submit(self.grade, traj.response_ids, traj.mask, traj.finish,
-                                                  traj.meta["answer"])
-        return self.pending[traj.key]
+        # everything, decoding included, on the grading threads: the engine only hands the trajectory over
+        while len(self.threads) < self.size:
+            self._add_thread()
+        fut = self.pending[traj.key] = concurrent.futures.Future()
+        self.jobs.put((fut, (traj.response_ids, traj.mask, traj.finish, traj.meta["answer"])))
+        return fut  # its grade: eval.py lets the trajectory go once it is done
+
+    def _add_thread(self):
+        t = threading.Thread(target=self._work, name="grader", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _work(self):
+        me = threading.get_ident()
+        while (job := self.jobs.get()) is not None:
+            fut, args = job
+            self.deadline[me] = time.monotonic() + 2 * self.timeout
+            fut.thread = me  # results() reads its deadline
+            try:
+                out = self.grade(*args)
+            except Exception:
+                self._count("failed")
+                out = dict(_ZERO)
+            fut.set_result(out)
+
+    def _count(self, key):
+        with self.lock:
+            self.counts[key] += 1
 
     def grade(self, ids, mask, finish, gold):
         turns = sampled_turns(self.tok, ids, mask)
         graded = finish != "length" or self.score_truncated
-        return {"reward": reward(turns, gold, self.timeout) if graded else 0.0, "answers": count_answers(turns),
+        return {"reward": self.reward(turns, gold) if graded else 0.0, "answers": count_answers(turns),
                 "pred": extract_answer(turns)}
 
+    def reward(self, response_text, gold):
+        """agent.reward's rule, in the calling thread, with that thread's helper; stats count what it met."""
+        if not isinstance(gold, str):
+            raise ValueError(f"gold answer must be a string, got {type(gold).__name__}: {gold!r}")
+        answer = extract_answer(response_text)
+        if not answer:  # None or empty
+            return 0.0
+        answer, gold = _normalise(answer), _normalise(gold)
+        if _too_big(answer):
+            self._count("refused")
+            return 0.0
+        if answer == gold:
+            return 1.0
+        a, g = _plain_int(answer), _plain_int(gold)
+        if a is not None and g is not None:  # integer vs integer needs no sympy
+            return float(a == g)
+        proc = self._helper()
+        if proc is None:
+            self._count("failed")
+            return 0.0
+        line = _talk(proc, (json.dumps([gold, answer]) + "\n").encode(), self.timeout)
+        if line not in (b"1\n", b"0\n"):  # late, stopped or dead: replace it
+            self._count("timed_out")
+            self._stop(threading.get_ident())
+        return float(line == b"1\n")
+
+    def _helper(self):
+        # the calling thread's helper, started if need be; None if it cannot be had
+        me = threading.get_ident()
+        proc = self.procs.get(me)
+        if proc is not None and proc.poll() is None:
+            return proc
+        self._stop(me)
+        if time.monotonic() < self.down_until:  # a start failed lately: fail fast
+            return None
+        self.deadline[me] = time.monotonic() + self.start_timeout + 2 * self.timeout
+        self._count("helper_starts")
+        # started from this thread: its own session (a Ctrl-C reaches only the caller), dies with it
+        proc = self.procs[me] = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--verify-server", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+        os.set_blocking(proc.stdin.fileno(), False)
+        if _talk(proc, b"", self.start_timeout) == b"ready\n":  # the sympy import happens here
+            return proc
+        self._count("helper_start_failures")
+        self._stop(me)
+        self.down_until = time.monotonic() + 5 * self.start_timeout
+        print(f"grader: the math-verify helper did not start within {self.start_timeout:.0f} s (is math-verify "
+              f"installed?); answers that need it score 0 for {5 * self.start_timeout:.0f} s", file=sys.stderr)
+        return None
+
+    def _stop(self, ident):
+        proc = self.procs.pop(ident, None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
     def results(self):
-        out = {key: fut.result() for key, fut in self.pending.items()}
+        """
+        Waits for the grades of the trajectories handed over since the last call, each within its bound
+        (the class docstring): {key: {"reward", "answers", "pred"}}. Then self.stats holds what happened
+        since the last call:
+            wait_s                 seconds this call waited (grading that the rollout did not hide)
+            timed_out              grades scored 0 because verification passed timeout (the helper was
+                                   killed and replaced) or the grade passed its bound here (its thread
+                                   and helper replaced)
+            refused                answers scored 0 unread: longer than MAX_ANSWER_CHARS or nested
+                                   deeper than MAX_DEPTH
+            failed                 grades scored 0 because no helper could be had (a failed start, or
+                                   the pause after one) or grading raised
+            helper_starts          helper processes started (the first ones of the run included)
+            helper_start_failures  starts that did not say "ready" within start_timeout
+        """
+        t0, out = time.monotonic(), {}
+        for key, fut in self.pending.items():
+            while not fut.done():
+                ident = getattr(fut, "thread", None)
+                if ident is not None and time.monotonic() > self.deadline[ident]:  # stuck: give up on it
+                    self._count("timed_out")
+                    self._stop(ident)
+                    self._add_thread()
+                    break
+                concurrent.futures.wait([fut], timeout=0.1)
+            out[key] = fut.result() if fut.done() else dict(_ZERO)
         self.pending = {}
+        with self.lock:
+            self.stats = {**self.counts, "wait_s": time.monotonic() - t0}
+            self.counts = dict.fromkeys(self.counts, 0)
         return out
 
+    def close(self):
+        """Stops the grading threads and kills the helpers (a process that just exits needs no close)."""
+        for _ in self.threads:
+            self.jobs.put(None)
+        for ident in list(self.procs):
+            self._stop(ident)
 
-if __name__ == "__main__" and sys.argv[1:] == ["--verify-server"]:
-    _serve_verifier()
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--verify-server"]:
+    _serve_verifier(int(sys.argv[2]))

@@ -166,10 +166,10 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     grader = agent.Grader(tokenizer, score_truncated)  # grades off the decode loop
     waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
 
-    def let_go(block=False):  # the graded trajectories: summarised, handed to on_graded, dropped
+    def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
         for t, fut in list(waiting):
-            if block or fut.done():
-                t.meta.update(fut.result())
+            if final is not None or fut.done():
+                t.meta.update(fut.result() if fut.done() else final[t.key])
                 summaries.append(summarize(t))
                 if on_graded is not None:
                     on_graded(t)
@@ -182,7 +182,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
 
     generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
     bar.close()
-    let_go(block=True)
+    let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
     trajs = sorted((s for part in gather(summaries) for s in part), key=lambda s: s.key)
     summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
     for row, p in zip(per_problem, problems):

@@ -380,6 +380,10 @@ while step < steps:
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
         "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
         "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
+        # answers too long or nested too deep to parse, no helper to be had (agent.Grader.results)
+        "grade_timed_out": grader.stats["timed_out"], "grade_refused": grader.stats["refused"],
+        "grade_failed": grader.stats["failed"],
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
         "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),

@@ -1,12 +1,23 @@
-"""agent.Grader, the engine's on_finish: answers only from sampled tokens, truncated rollouts score 0 (the
-paper) unless score_truncated (the released code), and grading never holds up the decode loop."""
+"""agent.Grader, the engine's on_finish: the answer comes from the final sampled turn, outside its tool calls;
+truncated rollouts score 0 (the paper) unless score_truncated (the released code); grading never holds up the
+decode loop, and every grade has a bound whatever its math-verify helper does (not started, stopped, killed,
+slow), with what passed a bound counted in grader.stats."""
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
 import agent
 import data
 from rollout import Trajectory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HALF = "<answer>\\boxed{\\frac{1}{2}}</answer>"  # needs math-verify against the gold 0.5
+BOMB = "<answer>\\boxed{9^{9^{9^{9}}}}</answer>"  # math-verify never finishes it
 
 
 @pytest.fixture(scope="module")
@@ -16,19 +27,51 @@ def tok():
     return data.train_tokenizer(texts, vocab_size=400)
 
 
-def trajectory(tok, pieces, finish="stop", gold="7"):
+def trajectory(tok, pieces, finish="stop", gold="7", key=(0, 0, 0)):
     ids, mask = [], []
     for text, m in pieces:
         piece = tok.encode(text, add_special_tokens=False)
         ids, mask = ids + piece, mask + [m] * len(piece)
-    return Trajectory(key=(0, 0, 0), prompt_ids=[1], response_ids=ids, mask=mask, finish=finish, turns=2,
+    return Trajectory(key=key, prompt_ids=[1], response_ids=ids, mask=mask, finish=finish, turns=2,
                       meta={"answer": gold})
 
 
 def grade(tok, traj, **kw):
     g = agent.Grader(tok, **kw)
     g(traj)
-    return g.results()[traj.key]
+    try:
+        return g.results()[traj.key]
+    finally:
+        g.close()
+
+
+def helper_pids(parent):
+    """The live math-verify helpers whose parent process is `parent`, found in /proc."""
+    pids = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f, open(f"/proc/{d}/stat") as s:
+                cmd, ppid = f.read(), int(s.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"--verify-server" in cmd and ppid == parent:
+            pids.append(int(d))
+    return pids
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"--verify-server" in f.read()  # a zombie's cmdline is empty
+    except OSError:
+        return False
+
+
+RESPONSE = "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n<reason>"
+
+
+def call(code):
+    return '\n<tool_call>\n{"name": "' + agent.TOOL_NAME + '", "arguments": {"code": "' + code + '", "input": ""}}\n</tool_call>'
 
 
 def test_tool_output_cannot_supply_the_answer(tok):
@@ -44,6 +87,22 @@ def test_tool_output_cannot_supply_the_answer(tok):
     assert grade(tok, t) == {"reward": 1.0, "answers": 1, "pred": "7"}
 
 
+def test_the_answer_is_the_final_turns_outside_its_tool_calls(tok):
+    # answered in a turn before a tool call, nothing in the final turn: not an answer (p_format still counts it)
+    early = trajectory(tok, [("so <answer>\\boxed{7}</answer>, let me check" + call("print(7)") + "<|im_end|>", 1),
+                             (RESPONSE, 0), ("checked</reason><|im_end|>", 1)])
+    assert grade(tok, early) == {"reward": 0.0, "answers": 1, "pred": None}
+    # inside the code of the final turn's tool call (a comment), closed (cut by max_turns) or not
+    for text in [call("# <answer>\\\\boxed{7}</answer>") + "<|im_end|>", call("print(1)  # <answer>\\\\boxed{7}</answer>")[:-12]]:
+        for finish in ("max_turns", "stop"):
+            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "answers": 0, "pred": None}
+    # the final turn's own answer, beside a call and after a turn that answered otherwise
+    late = trajectory(tok, [("<answer>\\boxed{8}</answer>" + call("print(7)") + "<|im_end|>", 1), (RESPONSE, 0),
+                            ("7 it is</reason>" + call("print(7)") + "\n<answer>\\boxed{7}</answer><|im_end|>", 1)],
+                      finish="max_turns")
+    assert grade(tok, late) == {"reward": 1.0, "answers": 2, "pred": "7"}
+
+
 def test_truncated_rollouts_score_zero_unless_asked(tok):
     t = trajectory(tok, [("done</reason>\n<answer>\\boxed{7}</answer> and more", 1)], finish="length")
     assert grade(tok, t)["reward"] == 0.0
@@ -55,15 +114,138 @@ def test_truncated_rollouts_score_zero_unless_asked(tok):
 def test_grading_does_not_block_the_caller(tok, monkeypatch):
     release = threading.Event()
 
-    def slow_reward(turns, gold, timeout):
+    def slow_reward(self, turns, gold):
         release.wait(30)
         return 1.0
-    monkeypatch.setattr(agent, "reward", slow_reward)
+    monkeypatch.setattr(agent.Grader, "reward", slow_reward)
     g = agent.Grader(tok)
-    ts = [trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)]) for _ in range(3)]
-    for i, t in enumerate(ts):
-        t.key = (0, 0, i)
+    ts = [trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)], key=(0, 0, i)) for i in range(3)]
+    for t in ts:
         g(t)  # returns while the grade is still being computed
     assert not release.is_set()
+    time.sleep(0.3)
     release.set()
     assert [r["reward"] for r in g.results().values()] == [1.0, 1.0, 1.0]
+    assert g.stats["wait_s"] > 0 and g.stats["timed_out"] == 0  # the wait is measured
+    g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_grade_is_bounded(tok, monkeypatch):
+    # a grade that never returns (injected) scores 0 after its bound (2 x timeout); the next grade, queued
+    # behind it on the only thread, is made by the thread that replaces it
+    release, real = threading.Event(), agent.extract_answer
+
+    def hang(text):
+        if "hang" in str(text):
+            release.wait(60)
+        return real(text)
+    monkeypatch.setattr(agent, "extract_answer", hang)
+    g = agent.Grader(tok, timeout=1.0, helpers=1)
+    hung = trajectory(tok, [("hang <answer>\\boxed{7}</answer>", 1)], key=(0, 0, 0))
+    ok = trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)], key=(0, 0, 1))
+    g(hung)
+    g(ok)
+    t0 = time.time()
+    res = g.results()
+    waited = time.time() - t0
+    release.set()
+    assert res == {hung.key: {"reward": 0.0, "answers": 0, "pred": None}, ok.key: {"reward": 1.0, "answers": 1, "pred": "7"}}
+    assert waited < 15, waited  # ~2 s here; before: until the hang ended (60 s)
+    assert g.stats["timed_out"] == 1 and g.stats["wait_s"] >= 1.5
+    g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_helper_that_never_starts_fails_fast(tok, monkeypatch):
+    # the helper's process starts but never says "ready": the first grade waits start_timeout once, the
+    # queued ones score 0 at once (not one start_timeout each), all counted; after the pause it starts again
+    real = subprocess.Popen
+    monkeypatch.setattr(agent.subprocess, "Popen",
+                        lambda cmd, **kw: real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+    g = agent.Grader(tok, start_timeout=1.0, helpers=1)
+    ts = [trajectory(tok, [(HALF, 1)], gold="0.5", key=(0, 0, i)) for i in range(5)]
+    for t in ts:
+        g(t)
+    t0 = time.time()
+    res = g.results()
+    assert time.time() - t0 < 4.0  # before: 120 s, then it raised
+    assert [r["reward"] for r in res.values()] == [0.0] * 5
+    assert (g.stats["helper_starts"], g.stats["helper_start_failures"], g.stats["failed"]) == (1, 1, 5)
+    assert helper_pids(os.getpid()) == []  # the one that hung was killed
+    monkeypatch.setattr(agent.subprocess, "Popen", real)
+    g.down_until = 0.0  # the pause is over
+    g(ts[0])
+    assert g.results()[ts[0].key]["reward"] == 1.0 and g.stats["helper_starts"] == 1
+    g.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_helper_cannot_block_the_writer(monkeypatch):
+    # a 200 KB request to a helper that is stopped (SIGSTOP) fills the pipe: the write gives up at timeout
+    monkeypatch.setattr(agent, "MAX_ANSWER_CHARS", 10 ** 6)  # let it reach the pipe
+    g = agent.Grader(None, timeout=1.0)
+    assert g.reward(HALF, "0.5") == 1.0  # this thread's helper is up
+    (pid,) = [p.pid for p in g.procs.values()]
+    os.kill(pid, signal.SIGSTOP)
+    big = "<answer>\\boxed{" + "+".join(["1"] * 100_000) + "}</answer>"
+    t0 = time.time()
+    assert g.reward(big, "0.5") == 0.0
+    assert time.time() - t0 < 10  # before: blocked in write() for as long as the helper stayed stopped
+    assert not alive(pid)  # killed and replaced
+    assert g.reward(HALF, "0.5") == 1.0
+    g.results()
+    assert (g.stats["timed_out"], g.stats["helper_starts"]) == (1, 2)
+    g.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_helper_dies_with_a_killed_trainer():
+    # a "trainer" grades on the Grader's thread, its helper busy with a bomb; SIGKILL the trainer: the helper
+    # must be gone within a few seconds (before: it went on computing, reparented to init)
+    script = f"""
+import sys, time, types
+sys.path.insert(0, {ROOT!r})
+import agent
+tok = types.SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+def traj(text, gold, key):
+    ids = [ord(c) for c in text]
+    return types.SimpleNamespace(key=key, response_ids=ids, mask=[1] * len(ids), finish="stop", meta={{"answer": gold}})
+g = agent.Grader(tok, timeout=600, helpers=1)
+g(traj({HALF!r}, "0.5", 0))
+assert g.results()[0]["reward"] == 1.0
+g(traj({BOMB!r}, "1", 1))
+time.sleep(1)
+print("busy", flush=True)
+time.sleep(600)
+"""
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline() == "busy\n"
+        (pid,) = helper_pids(trainer.pid)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    end = time.time() + 5
+    while alive(pid) and time.time() < end:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+@pytest.mark.timeout(120)
+def test_grades_run_on_several_helpers(tok):
+    # two slow grades at once on a Grader of two: two helpers alive together, each grade bounded by timeout
+    before = set(helper_pids(os.getpid()))
+    g = agent.Grader(tok, timeout=3.0, helpers=2)
+    for i in range(2):
+        g(trajectory(tok, [(BOMB, 1)], gold="1", key=(0, 0, i)))
+    most, end = 0, time.time() + 60
+    while most < 2 and time.time() < end:
+        most = max(most, len(set(helper_pids(os.getpid())) - before))
+        time.sleep(0.05)
+    res = g.results()
+    assert most == 2  # before: one helper, one grade at a time
+    assert [r["reward"] for r in res.values()] == [0.0, 0.0]
+    assert (g.stats["timed_out"], g.stats["helper_starts"]) == (2, 2)
+    g.close()
+    assert set(helper_pids(os.getpid())) - before == set()  # close() kills them
