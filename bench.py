@@ -55,7 +55,6 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
-import inspect
 import math
 import os
 import platform
@@ -441,11 +440,16 @@ def print_multi_turn(r):
 # -----------------------------------------------------------------------------
 # (k) the paged KV cache: over-commit and preemption against whole-budget reservations
 
+KINDS = (("full", 1.0), ("paged", 0.5), ("auto", "auto"))  # (k): the engines and their reserve
+
+
 def paging(ours, tok, prompts, B, reps):
-    """(l)'s and (b)'s workloads on four engines over the same model, timed interleaved: the paged engine
-    (default reserve, at most B rows) and the full-reservation engine (reserve=1: every row is promised
-    its whole budget, the admission rule before paging), each with the memory of B whole reservations
-    and of B/2. All four must give the same tokens."""
+    """(l)'s and (b)'s workloads on engines over the same model, timed interleaved: the full-reservation
+    engine (reserve=1: every row is promised its whole budget, the admission rule before paging), the
+    paged engine with the fixed reserve 0.5 and with reserve="auto" (both at most B rows), each with the
+    memory of B whole reservations, of B/2 and (l only, where answers use a quarter of the budget) of
+    B/4: the tight case, where only a promise that follows use keeps most rows running. All must give
+    the same tokens; every ratio is against the full engine with B rows' memory (the roomy one)."""
     res = []
     lengths, force_l = long_tail(tok, prompts[:3 * B])
     force_b, tools, _, budget_b = turns_workload(tok, TURN_LEN)
@@ -453,18 +457,17 @@ def paging(ours, tok, prompts, B, reps):
     for name, P, budget in (("l", P_l, 256), ("b", P_b, budget_b)):
         rows = B if name == "l" else MT_BATCH
         max_len = max(map(len, P)) + budget + 1
+        mems = (rows, rows // 2, rows // 4) if name == "l" else (rows, rows // 2)
         engines = {}
-        for mem in (rows, rows // 2):
-            for kind, reserve in (("full", 1.0), ("paged", None)):
+        for mem in mems:
+            for kind, reserve in KINDS:
                 model = StopAt(ours, force_l, P) if name == "l" else Forced(ours, force_b, tok)
                 # full: the engine before paging, mem rows of max_len; paged: up to `rows` rows in that memory
-                kw = dict(reserve=reserve, max_rows=mem) if reserve else dict(max_rows=rows)
                 engines[(mem, kind)] = Engine(model, tok, kv_capacity=mem * max_len, max_len=max_len,
-                                              temperature=0.0, tools=tools if name == "b" else None, **kw)
+                                              temperature=0.0, tools=tools if name == "b" else None,
+                                              reserve=reserve, max_rows=mem if kind == "full" else rows)
 
-        def run(engine, P=P, budget=budget):
-            for k in engine.stats:
-                engine.stats[k] = 0
+        def run(engine, P=P, budget=budget):  # engine.stats counts one run
             trajs = engine.run(iter_claim([Request(p, key=(0, i, 0)) for i, p in enumerate(P)]), budget)
             return {t.key: t.response_ids for t in trajs}
         outs = {k: run(e) for k, e in engines.items()}  # warm-up, and the check that all agree
@@ -472,28 +475,35 @@ def paging(ours, tok, prompts, B, reps):
         stats = {k: dict(e.stats) for k, e in engines.items()}
         times, n = medians([lambda e=e: run(e) for e in engines.values()], reps)
         tokens = sum(len(o) for o in outs[(rows, "full")].values())
-        res.append(dict(name=name, rows=rows, max_len=max_len, same=same, rounds=n, tokens=tokens,
-                        times=dict(zip(engines, times)), stats=stats,
-                        num_rows={k: e.num_rows for k, e in engines.items()}, load=load()))
+        res.append(dict(name=name, rows=rows, mems=mems, max_len=max_len, same=same, rounds=n, tokens=tokens,
+                        times=dict(zip(engines, times)), stats=stats, load=load()))
     return res
 
 
 def print_paging(res):
     for r in res:
+        roomy = r["times"][(r["rows"], "full")]
         print(f"({r['name']}) {r['tokens']:,} response tokens, max_len {r['max_len']}")
-        print(f"{'KV memory':<22} {'engine':<6} {'rows':>4} {'s/run':>7} {'tok/s':>6} {'decode steps':>12} "
-              f"{'preemptions':>11} {'recomputed':>10} {'paged / full':>12}")
-        for mem in (r["rows"], r["rows"] // 2):
-            for kind in ("full", "paged"):
+        print(f"{'KV memory':<22} {'engine':<6} {'s/run':>7} {'tok/s':>6} {'decode steps':>12} {'mean batch':>10} "
+              f"{'preemptions':>11} {'recomputed':>10} {'/ full':>7} {'/ roomy':>7}")
+        for mem in r["mems"]:
+            for kind, _ in KINDS:
                 t, s = r["times"][(mem, kind)], r["stats"][(mem, kind)]
-                ratio = r["times"][(mem, "full")] / t if kind == "paged" else ""
-                print(f"{f'{mem} x max_len tokens':<22} {kind:<6} {r['num_rows'][(mem, kind)]:>4} {t:>7.3f} "
-                      f"{r['tokens'] / t:>6.0f} {s['decode_steps']:>12,} {s['preemptions']:>11,} "
-                      f"{s['recomputed_tokens']:>10,} {'x%.2f' % ratio if ratio else '':>12}")
-        same_rows = r["times"][(r["rows"], "full")] / r["times"][(r["rows"], "paged")]
-        half = r["times"][(r["rows"] // 2, "full")] / r["times"][(r["rows"] // 2, "paged")]
-        print(f"goals: same rows >= x0.95: x{same_rows:.2f} | half the memory >= x1.30: x{half:.2f} | same tokens "
-              f"in all four: {r['same']} | {r['rounds']} rounds | load {r['load']:.2f}")
+                print(f"{f'{mem} x max_len tokens':<22} {kind:<6} {t:>7.3f} {r['tokens'] / t:>6.0f} "
+                      f"{s['decode_steps']:>12,} {s['decode_tokens'] / max(s['decode_steps'], 1):>10.1f} "
+                      f"{s['preemptions']:>11,} {s['recomputed_tokens']:>10,} "
+                      f"{'x%.2f' % (r['times'][(mem, 'full')] / t):>7} {'x%.2f' % (roomy / t):>7}")
+        t, half = r["times"], r["rows"] // 2
+        goals = [f"same rows >= x0.95: paged x{roomy / t[(r['rows'], 'paged')]:.2f}, auto "
+                 f"x{roomy / t[(r['rows'], 'auto')]:.2f}",
+                 f"half the memory >= x1.30 of full: paged x{t[(half, 'full')] / t[(half, 'paged')]:.2f}, auto "
+                 f"x{t[(half, 'full')] / t[(half, 'auto')]:.2f}"]
+        if len(r["mems"]) > 2:
+            tight = r["mems"][2]
+            goals.append(f"tight ({tight} x max_len) >= x0.80 of roomy: paged x{roomy / t[(tight, 'paged')]:.2f}, "
+                         f"auto x{roomy / t[(tight, 'auto')]:.2f}")
+        print(f"goals: {' | '.join(goals)} | same tokens in all: {r['same']} | {r['rounds']} rounds | "
+              f"load {r['load']:.2f}")
 
 
 # -----------------------------------------------------------------------------
@@ -506,11 +516,12 @@ def profile(ours, tok, prompts, B, N):
     L = max(map(len, P))
     engine = Engine(ours, tok, kv_capacity=B * (L + N + 1), max_len=L + N + 1)
     engine.stop_ids = set()
-    for name in ("admit", "decode", "sample", "step_row"):  # label the engine's pieces for the profiler
-        def labelled(*a, _f=getattr(engine, name), _name=name):
+    # label the engine's pieces for the profiler
+    for obj, name in ((engine.pager, "admit"), (engine, "decode"), (engine, "sample"), (engine, "step_row")):
+        def labelled(*a, _f=getattr(obj, name), _name=name):
             with record_function(f"engine.{_name}"):
                 return _f(*a)
-        setattr(engine, name, labelled)
+        setattr(obj, name, labelled)
     engine.generate(P, N)  # warm-up
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function("engine.generate"):
@@ -964,10 +975,10 @@ if __name__ == "__main__":
         if "g" in args.sections:
             grading(tok, args.reps)
         if "k" in args.sections:
-            reserve = inspect.signature(Engine).parameters["reserve"].default
-            print(f"\n(k) the paged engine (reserve {reserve}, over-commit + preemption) vs "
-                  f"the full-reservation engine (reserve 1.0), on (l)'s and (b)'s workloads, greedy; rows: the most "
-                  f"at once; KV memory in whole reservations (max_len tokens)")
+            print("\n(k) the paged engine (over-commit + preemption; reserve 0.5 and reserve=auto) vs the "
+                  "full-reservation engine (reserve 1.0), on (l)'s and (b)'s workloads, greedy; mean batch: rows per "
+                  "decode step; KV memory in whole reservations (max_len tokens); / roomy: against full with the "
+                  "most memory")
             print_paging(paging(ours, tok, prompts, BATCHES[-1], args.reps))
         if "p" in args.sections:
             print("\n(p) profile of our engine, (a)'s workload")

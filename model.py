@@ -236,16 +236,20 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def chunk_logprobs(h, targets, weight, with_entropy):
-    """h (N, D), targets (N,) -> log p(target) (N,) fp32 [, entropy (N,) without grad]"""
+def chunk_logprobs(h, targets, weight, entropy=None):
+    """h (N, D), targets (N,) -> log p(target) (N,) fp32; with a list `entropy`, also appends the entropy
+    (N,) to it, without grad, the first time only.
+
+    The entropy is a metric: it never joins the autograd graph. The function runs inside a checkpoint,
+    which calls it again in the backward to rebuild the logits; by then the list is filled, so the
+    recompute skips the entropy's softmax over the vocabulary (it used to cost ~12% of an update)."""
     logits = F.linear(h, weight).float()  # (N, V): the only full-vocab tensor, one chunk at a time
     lse = torch.logsumexp(logits, dim=-1)  # (N,)
     logp = logits.gather(1, targets[:, None]).squeeze(1) - lse
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # H = log Z - E_p[logit]
-    return logp, entropy
+    if entropy is not None and not entropy:
+        with torch.no_grad():
+            entropy.append(lse - (logits.softmax(-1) * logits).sum(-1))  # H = log Z - E_p[logit]
+    return logp
 
 
 class Qwen(nn.Module):
@@ -255,15 +259,19 @@ class Qwen(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            # on the meta device, no init inside nn.Embedding: there its normal_ imports torch._dynamo (~2 s)
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+                cfg.vocab_size, cfg.hidden_size) if torch.empty(0).is_meta else None),
             layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
             norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
         ))
         # tied: no lm_head module at all, the embedding matrix is the head (state dict has no lm_head.weight)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        # a fresh model (tests, the tiny model) gets HF's init; on the meta device this costs nothing
+        # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
         for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
             if name.endswith("bias"):
                 nn.init.zeros_(p)
             elif not name.endswith("norm.weight"):
@@ -309,11 +317,14 @@ class Qwen(nn.Module):
             return F.linear(x, self.head_weight())  # (B, T, V)
         # chunked head: each chunk's fp32 logits live only inside its checkpoint
         h, tg = x.reshape(B * T, -1), targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
-        outs = [checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(), with_entropy,
-                           use_reentrant=False) for i in range(0, B * T, chunk_size)]
+        starts = range(0, B * T, chunk_size)
+        # one list per chunk that its entropy goes into, once (see chunk_logprobs)
+        ents = [[] if with_entropy else None for _ in starts]
+        logp = torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
+                                     e, use_reentrant=False) for i, e in zip(starts, ents)]).view(B, T)
         if not with_entropy:
-            return torch.cat(outs).view(B, T)
-        return torch.cat([o[0] for o in outs]).view(B, T), torch.cat([o[1] for o in outs]).view(B, T)
+            return logp
+        return logp, torch.cat([e[0] for e in ents]).view(B, T)
 
     @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
@@ -463,6 +474,10 @@ class KVCache:
             if self.refs[page] == 0:
                 self.free.append(page)
         self.table[row], self.npages[row], self.lengths[row] = 0, 0, 0
+
+    def holds(self, row) -> bool:
+        """whether row has any tokens in the cache"""
+        return bool(self.lengths[row])
 
     def free_pages(self) -> int:
         return len(self.free)

@@ -2,7 +2,8 @@
 The rollout engine: one per rank. A batched generator over a paged KV cache that runs multi-turn,
 tool-using trajectories with continuous batching, token-in/token-out.
 
-How one engine works (the paper's §3.2 idea, on the memory model of SGLang / vLLM, in plain torch):
+How one engine works (in plain torch; the paper's §3.2 balances rollouts across engines by free KV, and
+this over-commits with preemption as vLLM / SGLang do, which §3.2 sets out to avoid):
 - the KV cache is one pool of fixed-size pages (model.KVCache); a row takes pages as it grows and
   gives them back when it finishes. The samples of one prompt hold the prompt's pages once, by
   reference (the prompt is prefilled once; each sample copies only the last, partly filled page).
@@ -10,6 +11,7 @@ How one engine works (the paper's §3.2 idea, on the memory model of SGLang / vL
   rows already running were promised, cover its prompt + `reserve` x its response budget. reserve=1
   promises every row its whole budget, which is the old full-reservation engine: it never preempts.
   With reserve < 1 the engine over-commits: more rows decode together, on the bet that most stop early.
+  reserve="auto" makes the bet from what the run's finished rows used (Pager.share).
 - preemption: when rows need pages and none are free, the engine preempts rows — first rows parked on
   a tool call (they are not decoding anyway), then the most recently admitted (so the oldest rows keep
   making progress and every row finishes) — frees their pages, and re-admits them later, before any new
@@ -87,9 +89,11 @@ class Row:
 
 
 @dataclass
-class Prefill:
-    """A work item of a prefill forward: new tokens for one row, and the rows that then start as
-    copies of it (samples of one prompt share its pages)."""
+class Feed:
+    """A work item of a forward: new tokens into one row's KV. A prefill (a prompt, tool responses, a
+    re-admitted row's whole context) or a decode step (the one token just sampled); both need pages
+    first (Pager.fit). `copies`: the rows that then start as copies of it (samples of one prompt share
+    its pages)."""
     row: Row
     ids: list
     copies: list = field(default_factory=list)
@@ -101,6 +105,166 @@ def row_generator(seed, key, device):
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+# reserve="auto": the response share (of the budget) assumed for a row of the run that has not finished yet
+AUTO_PRIOR = 0.5
+
+
+class Pager:
+    """The engine's memory policy over its paged KV cache: page sizing, admission, preemption.
+
+    A row entering the KV is *promised* pages: its prompt + a share of its response budget, or what it
+    already holds when that is more. New rows enter while the free pages, less what the rows already in
+    the KV were promised and do not hold yet (the headroom), cover their own promise. When the pool
+    runs short anyway (the bet on early stops was lost), rows are preempted: they give their pages back
+    and wait to be prefilled again. The Engine asks; the Pager decides who holds memory.
+
+    The share is `reserve`, fixed, or with reserve="auto" it follows what the run's rows use: half the
+    mean response share of the run's rows, counting a finished row at what it used and a row still
+    running at AUTO_PRIOR (see share()). So more rows run when rollouts end early and fewer when they
+    run long, with preemption when the bet is lost. It is a function of the run's finishes (their
+    lengths, in order) and of how many rows the engine holds, never of a clock, so deterministic=True
+    repeats it; it starts afresh with every run() (an RL step), so a resume has nothing to restore."""
+
+    def __init__(self, model, kv_capacity, max_len, reserve, max_rows, page_size, stats, log):
+        self.auto = reserve == "auto"
+        if not self.auto and not (isinstance(reserve, (int, float)) and 0 <= reserve <= 1):
+            raise ValueError(f"reserve is a share of the response budget in [0, 1], or 'auto': {reserve!r}")
+        self.reserve, self.max_len, self.stats, self.log = reserve, max_len, stats, log
+        param = next(model.parameters())
+        # flash-attn's paged kernel needs pages of a multiple of 256 tokens; 16 keeps rounding small elsewhere
+        page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
+        # a whole row rounds up to whole pages: the pool gets that rounding for each of the
+        # kv_capacity // max_len rows, so reserve=1 admits exactly as many rows as whole-row slots would
+        num_pages = max(kv_capacity // page_size, kv_capacity // max_len * -(-max_len // page_size))
+        # slots: as many rows as promises of reserve x max_len fit the pool (a slot costs no KV itself);
+        # auto: a row per page, the promise decides (pass max_rows = the rank's share of a step's rollouts)
+        least = 1e-6 if self.auto else max(reserve, 1e-6)
+        self.num_rows = max_rows or min(num_pages, int(kv_capacity / (least * max_len)))
+        assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
+        self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype, num_pages,
+                             page_size)
+        # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
+        self.seq = itertools.count()
+        # True from a preemption until a row finishes: no admissions meanwhile, since a row admitted
+        # then could only push out the row just preempted
+        self.hold = False
+
+    def start(self, budget):
+        """A run begins: every page free, no hold, and the claim size for this budget."""
+        # a run that ended in an exception may have left pages behind
+        for slot in range(self.num_rows):
+            self.cache.release(slot)
+        self.hold = False
+        self.budget = budget
+        # auto: the response shares of this run's finished rows, summed, and how many they are
+        self.used, self.ended = 0.0, 0
+
+    def share(self, rows):
+        """The share of a row's response budget promised to it, given the run's rows (unfinished)."""
+        if not self.auto:
+            return self.reserve
+        # the run's mean response share so far; with nothing finished yet, the prior. Early finishes are
+        # the short rows, so the running ones count at the prior until they end: the mean moves as the
+        # run's rows actually end, not with the first few
+        mean = (self.used + len(rows) * AUTO_PRIOR) / (self.ended + len(rows)) if self.ended + len(rows) else AUTO_PRIOR
+        # a row's KV grows from its prompt to prompt + response: rows of all ages together hold about half
+        # of their final responses, so half the mean is promised (rows past it count at what they hold)
+        return mean / 2
+
+    def claimable(self, rows, free):
+        """How many new requests to claim now: while slots and unpromised pages are free. An empty
+        engine always claims one; none while preempted rows wait (they get back in first) or on hold."""
+        if self.hold or any(r.state == WAITING for r in rows.values()):
+            return 0
+        # one claim's worth of pages: a request with the longest prompt (max_len - budget) and its promise
+        prompt = max(self.max_len - self.budget, 1)
+        per_claim = self.cache.pages(min(prompt + math.ceil(self.share(rows) * self.budget), self.max_len))
+        return min(free, max(self.headroom(rows) // per_claim, 0 if rows else 1))
+
+    def reserved(self, row, share):
+        """Tokens promised to a row: its prompt + `share` of its budget, or what it holds beyond that."""
+        promised = len(row.traj.prompt_ids) + min(math.ceil(share * row.budget), row.budget)
+        return max(promised, len(row.traj.prompt_ids) + len(row.traj.response_ids))
+
+    def headroom(self, rows):
+        """Free pages not yet promised to the rows (a dict slot -> Row) in the KV."""
+        share = self.share(rows)
+        # what each row in the KV was promised and does not hold yet
+        promised = sum(max(0, self.cache.pages(self.reserved(r, share)) - int(self.cache.npages[r.slot]))
+                       for r in rows.values() if self.cache.holds(r.slot))
+        return self.cache.free_pages() - promised
+
+    def admit(self, waiting, rows):
+        """Waiting rows, oldest first, enter the KV while the headroom covers their promise (or nothing
+        else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the other
+        samples of that prompt then share."""
+        room, share = self.headroom(rows), self.share(rows)
+        running = any(self.cache.holds(r.slot) for r in rows.values())
+        if self.hold and running:
+            return []
+        todo = []
+        for row in sorted(waiting, key=lambda r: r.seq):
+            # another sample of the prompt just admitted: it shares that prefill and needs only its growth
+            fresh = not row.traj.response_ids
+            twin = fresh and todo and todo[-1].row.traj.response_ids == [] and todo[-1].ids == row.pending
+            need = self.cache.pages(self.reserved(row, share))
+            # first come, first served: a later row never overtakes an earlier one that does not fit
+            if need > room and (running or todo):
+                break
+            room -= need
+            if twin:
+                todo[-1].copies.append(row)
+            else:
+                todo.append(Feed(row, row.pending))
+        return todo
+
+    def fit(self, todo, rows):
+        """Pages for every Feed of a forward; when the pool is short, preempt rows until it is not.
+        Returns the items that still go ahead (a preempted row's item drops out)."""
+        cache = self.cache
+
+        def need(it):
+            # new pages: the row's growth + a copy of a partly filled last page per sharing sample
+            end = int(cache.lengths[it.row.slot]) + len(it.ids)
+            return cache.pages_needed(it.row.slot, end) + len(it.copies) * (end % cache.page_size > 0)
+        while sum(need(it) for it in todo) > cache.free_pages():
+            victim = self.victim(rows, [it.row for it in todo])
+            self.preempt(victim)
+            todo = [it for it in todo if it.row is not victim]
+        for it in todo:
+            cache.grow(it.row.slot, int(cache.lengths[it.row.slot]) + len(it.ids))
+        return todo
+
+    def victim(self, rows, work):
+        """Who gives up its pages: a row parked on a tool call first (it is not decoding anyway), then the
+        most recently admitted (the oldest rows keep going, so every row finishes)."""
+        # rows in `work` not yet in the KV can be sent back to wait: that frees nothing but their claim
+        held = [r for r in rows.values() if self.cache.holds(r.slot) or r in work]
+        return max(held, key=lambda r: (r.state == TOOLS, r.seq))
+
+    def preempt(self, row):
+        """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
+        n = int(self.cache.lengths[row.slot])
+        if n:
+            self.cache.release(row.slot)
+            # token-in/token-out: the whole context so far is what gets prefilled on re-admission
+            row.pending = row.traj.prompt_ids + row.traj.response_ids
+            row.dropped += n
+            self.hold = True
+            self.stats["preemptions"] += 1
+            self.log("preempt", row, tokens=n)
+        # a parked row stays parked: it is re-admitted once its answers are in (Engine.resume)
+        if row.state == DECODE:
+            row.state = WAITING
+
+    def finished(self, row):
+        """A row is done: its pages go back, admissions may resume, and (auto) its use is counted."""
+        self.hold = False
+        self.cache.release(row.slot)
+        self.used += len(row.traj.response_ids) / row.budget
+        self.ended += 1
+
+
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
@@ -108,34 +272,27 @@ class Engine:
                  deterministic=False):
         """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
         share of a row's response budget promised to it at admission (1 = the whole budget, no
-        over-commit); max_rows: most rows at once (default: as many reservations of reserve x max_len as
-        the pool holds); page_size: tokens per page (flash-attn needs a multiple of 256; 16 elsewhere)."""
+        over-commit), or "auto": a share that follows what the run's rows use (Pager); max_rows: most
+        rows at once (default: as many reservations of reserve x max_len as the pool holds; auto: one
+        per page, so pass the rank's share of a step's rollouts: an engine holding more at once takes
+        them from engines that would run them sooner); page_size: tokens per page (flash-attn needs a
+        multiple of 256; 16 elsewhere)."""
         self.model, self.tok, self.tools = model, tokenizer, tools
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
         self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
-        if not 0 <= reserve <= 1:
-            raise ValueError(f"reserve is a share of the response budget, in [0, 1]: got {reserve}")
-        self.reserve = reserve
         # wait for every tool answer before the next step (no overlap of tools and decoding), so which rows
         # share a forward never depends on how fast the tools answered: on CPU a matmul over 1-5 rows
         # rounds differently from one over 16+, and a flipped sampled token changes the rest of a rollout
         self.deterministic = deterministic
-        param = next(model.parameters())
-        self.device = param.device
-        page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
-        # a whole row rounds up to whole pages: the pool gets that rounding for each of the
-        # kv_capacity // max_len rows, so reserve=1 admits exactly as many rows as whole-row slots would
-        num_pages = max(kv_capacity // page_size, kv_capacity // max_len * -(-max_len // page_size))
-        self.num_rows = max_rows or min(num_pages, int(kv_capacity / (max(reserve, 1e-6) * max_len)))
-        assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
-        self.cache = KVCache(model.cfg, self.num_rows, max_len, self.device, param.dtype, num_pages, page_size)
+        self.device = next(model.parameters()).device
         self.stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         self.events = [] if log_events else None
-        self.seq = itertools.count()  # admission order: who is preempted first, who is re-admitted first
-        self.hold = False  # True from a preemption until a row finishes: no admissions meanwhile
+        # per run() (reset at its start): forwards, tokens, seconds waited on tools, preemptions
         self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "tool_wait_s": 0.0,
                       "preemptions": 0, "recomputed_tokens": 0}
+        self.pager = Pager(model, kv_capacity, max_len, reserve, max_rows, page_size, self.stats, self.log)
+        self.cache, self.num_rows = self.pager.cache, self.pager.num_rows
 
     def log(self, kind, row, **info):
         if self.events is not None:
@@ -155,36 +312,34 @@ class Engine:
     def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True, keep=True):
         """Generate until `claim(n)` has no more requests and every row has finished.
         claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories (keep=False:
-        an empty list; on_finish sees each one, so memory does not grow with the requests)."""
+        an empty list; on_finish sees each one, so memory does not grow with the requests). self.stats counts
+        this run only."""
         temperature = self.temperature if temperature is None else temperature
         tools = self.tools if use_tools else None
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
-        for slot in range(self.num_rows):  # a run that ended in an exception may have left pages behind
-            self.cache.release(slot)
-        self.hold = False
-        # a claim is sized so that requests with the longest prompt (max_len - budget) all fit the KV
-        per_claim = self.cache.pages(min(max(self.max_len - budget, 1) + math.ceil(self.reserve * budget),
-                                         self.max_len))
+        self.stats.update({k: 0 for k in self.stats}, tool_wait_s=0.0)
+        self.pager.start(budget)
         while rows or not exhausted:
             # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
             # into the KV come first (and an empty engine always claims)
-            n = min(len(free), max(self.headroom(rows.values()) // per_claim, 0 if rows else 1))
-            if not exhausted and n > 0 and not self.hold and not any(r.state == WAITING for r in rows.values()):
+            n = self.pager.claimable(rows, len(free))
+            if not exhausted and n > 0:
                 reqs = claim(n)
                 exhausted = not reqs
                 self.claimed(reqs, free, rows, budget)
             # 2. parked rows whose tool answers have all arrived get them appended
             todo = []
             if self.deterministic:
+                # every answer first, so which rows share the next forward does not depend on timing
                 concurrent.futures.wait([f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f])
             for row in [r for r in rows.values() if r.state == TOOLS]:
                 if all(f is None or f.done() for _, f in row.calls):
                     todo += self.resume(row)
-            # 3. waiting rows enter the KV in admission order, while their reservation fits
-            todo += self.admit([r for r in rows.values() if r.state == WAITING], rows)
+            # 3. waiting rows enter the KV in admission order, while their promise fits
+            todo += self.pager.admit([r for r in rows.values() if r.state == WAITING], rows)
             # 4. the prompts, tool responses and recomputed contexts of this step go through the model
             # together, once they have pages (which may preempt rows)
-            todo = self.fit(todo, rows)
+            todo = self.pager.fit(todo, rows)
             if todo:
                 self.prefill(todo)
             # 5. sample one token for every row that has logits, then one batched decode step
@@ -194,19 +349,19 @@ class Engine:
                 for row, tok, lp in zip(ready, *self.sample(ready, temperature)):
                     self.step_row(row, tok, lp, tools)
                 # rows preempted since their last forward sample too, but decode only after re-admission
-                going = [r for r in ready if r.state == DECODE and not r.traj.finish]
-                going = sorted(self.fit([Prefill(r, r.pending) for r in going], rows), key=lambda it: it.row.slot)
+                going = [Feed(r, r.pending) for r in ready if r.state == DECODE and not r.traj.finish]
+                going = sorted(self.pager.fit(going, rows), key=lambda it: it.row.slot)
                 if going:
                     self.decode([it.row for it in going])
-            elif futures:  # nothing to decode: wait for the first tool answer
+            elif futures:
+                # nothing to decode: wait for the first tool answer
                 t0 = time.perf_counter()
                 concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
                 self.stats["tool_wait_s"] += time.perf_counter() - t0
             # 6. free the rows that finished: their pages and their slot
             for row in [r for r in rows.values() if r.traj.finish]:
-                self.hold = False
                 del rows[row.slot]
-                self.cache.release(row.slot)
+                self.pager.finished(row)
                 free.append(row.slot)
                 self.log("finish", row, reason=row.traj.finish)
                 if keep:
@@ -216,20 +371,6 @@ class Engine:
         assert self.cache.free_pages() == self.cache.num_pages, "pages leaked"
         return done
 
-    # ---------------------------------------------------------------------------------------------
-    # memory: admission, pages, preemption
-
-    def reserved(self, row):
-        """tokens promised to a row: its prompt + `reserve` of its budget, or what it holds beyond that"""
-        promised = len(row.traj.prompt_ids) + min(math.ceil(self.reserve * row.budget), row.budget)
-        return max(promised, len(row.traj.prompt_ids) + len(row.traj.response_ids))
-
-    def headroom(self, rows):
-        """free pages not yet promised to the rows in the KV"""
-        held = [r for r in rows if int(self.cache.lengths[r.slot]) > 0]
-        promised = sum(max(0, self.cache.pages(self.reserved(r)) - int(self.cache.npages[r.slot])) for r in held)
-        return self.cache.free_pages() - promised
-
     def claimed(self, reqs, free, rows, budget):
         """Claimed requests take free slots as waiting rows (nothing in the KV yet)."""
         for req in reqs:
@@ -237,70 +378,9 @@ class Engine:
             if n + 1 > self.max_len:
                 raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
             gen = row_generator(self.seed, req.key, self.device)
-            row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.seq))
+            row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.pager.seq))
             rows[row.slot] = row
             self.log("admit", row, slot=row.slot)
-
-    def admit(self, waiting, rows):
-        """Waiting rows, oldest first, enter the KV while the unpromised pages cover their reservation (or
-        nothing else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the
-        other samples of that prompt then share."""
-        room = self.headroom(rows.values())
-        running = any(int(self.cache.lengths[r.slot]) > 0 for r in rows.values())
-        if self.hold and running:  # a row admitted now could only push out the row just preempted
-            return []
-        todo = []
-        for row in sorted(waiting, key=lambda r: r.seq):
-            fresh = not row.traj.response_ids
-            if todo and fresh and todo[-1].row.traj.response_ids == [] and todo[-1].ids == row.pending:
-                share = todo[-1]  # another sample of the prompt just admitted: it needs only its growth
-            else:
-                share = None
-            need = self.cache.pages(self.reserved(row))
-            if need > room and (running or todo):
-                break  # first come, first served: a later row never overtakes an earlier one
-            room -= need
-            if share is not None:
-                share.copies.append(row)
-            else:
-                todo.append(Prefill(row, row.pending))
-        return todo
-
-    def fit(self, todo, rows):
-        """Pages for every prefill (or decode) item; when the pool is short, preempt rows until it is not.
-        Returns the items that still go ahead (a preempted row's item drops out)."""
-        cache = self.cache
-
-        def need(it):  # new pages: the row's growth + a copy of a partly filled last page per sharing sample
-            end = int(cache.lengths[it.row.slot]) + len(it.ids)
-            return cache.pages_needed(it.row.slot, end) + len(it.copies) * (end % cache.page_size > 0)
-        while sum(need(it) for it in todo) > cache.free_pages():
-            victim = self.victim(rows, [it.row for it in todo])
-            self.preempt(victim)
-            todo = [it for it in todo if it.row is not victim]
-        for it in todo:
-            cache.grow(it.row.slot, int(cache.lengths[it.row.slot]) + len(it.ids))
-        return todo
-
-    def victim(self, rows, work):
-        """Who gives up its pages: a row parked on a tool call first (it is not decoding anyway), then the
-        most recently admitted (the oldest rows keep going, so every row finishes). Rows in `work` that
-        are not yet in the KV can be sent back to wait, which frees nothing but their claim on the pool."""
-        held = [r for r in rows.values() if int(self.cache.lengths[r.slot]) > 0 or r in work]
-        return max(held, key=lambda r: (r.state == TOOLS, r.seq))
-
-    def preempt(self, row):
-        """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
-        n = int(self.cache.lengths[row.slot])
-        if n:
-            self.cache.release(row.slot)
-            row.pending = row.traj.prompt_ids + row.traj.response_ids
-            row.dropped += n
-            self.hold = True
-            self.stats["preemptions"] += 1
-            self.log("preempt", row, tokens=n)
-        if row.state == DECODE:
-            row.state = WAITING
 
     # ---------------------------------------------------------------------------------------------
     # the model: prefill, sample, decode
@@ -356,68 +436,6 @@ class Engine:
         tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)  # (B, 1)
         return tok[:, 0].tolist(), logp.gather(1, tok)[:, 0].tolist()
 
-    def step_row(self, row, tok, lp, tools):
-        t = row.traj
-        t.response_ids.append(tok)
-        t.mask.append(1)
-        t.logprobs.append(lp)
-        # after the context when the row was preempted since its logits were computed
-        row.pending.append(tok)
-        if tok in self.stop_ids:  # the assistant turn is over
-            t.turns += 1
-            self.end_turn(row, tools)
-        elif len(t.response_ids) >= row.budget:
-            t.finish = "length"
-
-    def end_turn(self, row, tools):
-        t = row.traj
-        if tools is None:
-            t.finish = "stop"
-            return
-        calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls)
-        if not calls:
-            t.finish = "stop"
-        elif t.turns >= self.max_turns:
-            t.finish = "max_turns"
-        else:  # park the row, dispatch its calls; other rows keep decoding
-            row.state, row.calls = TOOLS, []
-            for c in calls:
-                if isinstance(c, str):  # malformed call: answered with the error text, never dropped
-                    rec = {"code": "", "stdin": "", "status": "invalid", "output": c, "duration": 0.0}
-                    row.calls.append((rec, None))
-                else:
-                    rec = {"code": c.code, "stdin": c.stdin}
-                    row.calls.append((rec, tools.submit(c.code, c.stdin)))
-            self.log("tool_start", row, n=len(calls))
-
-    def resume(self, row):
-        """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
-        is in the KV; a preempted row waits to be re-admitted with them. Nothing when they do not fit its
-        budget."""
-        t = row.traj
-        for rec, fut in row.calls:
-            if fut is not None:
-                res = fut.result()
-                rec.update(status=res.status, duration=res.duration,
-                           output=agent.tool_response_text(res, self.tool_max_chars))
-            t.tool_calls.append(rec)
-        suffix = agent.tool_suffix_ids(self.tok, [rec["output"] for rec, _ in row.calls])
-        row.calls = []
-        self.log("tool_done", row)
-        if len(t.response_ids) + len(suffix) >= row.budget:
-            t.finish = "length"  # stop before appending: a trajectory always ends on a model turn
-            return []
-        t.response_ids += suffix
-        t.mask += [0] * len(suffix)
-        t.logprobs += [0.0] * len(suffix)
-        row.turn_start = len(t.response_ids)
-        row.pending += suffix
-        if int(self.cache.lengths[row.slot]) == 0:
-            row.state = WAITING
-            return []
-        row.state = DECODE
-        return [Prefill(row, row.pending)]
-
     def decode(self, rows):
         """One decode step: the pending token of every row goes through the model together."""
         ids = torch.tensor([r.pending for r in rows], device=self.device)  # (B, 1)
@@ -427,6 +445,87 @@ class Engine:
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
         self.log("decode", rows[0], rows=[r.req.key for r in rows])
+
+    # ---------------------------------------------------------------------------------------------
+    # the agent loop: a sampled token, the end of a turn, tool calls, parking and resuming
+
+    def step_row(self, row, tok, lp, tools):
+        """Append one sampled token to the row's trajectory; end its turn on a stop token, or the row
+        on its budget."""
+        t = row.traj
+        t.response_ids.append(tok)
+        t.mask.append(1)
+        t.logprobs.append(lp)
+        # the token is the next input; after the whole context when the row was preempted since its
+        # logits were computed
+        row.pending.append(tok)
+        # the assistant turn is over
+        if tok in self.stop_ids:
+            t.turns += 1
+            self.end_turn(row, tools)
+        elif len(t.response_ids) >= row.budget:
+            t.finish = "length"
+
+    def end_turn(self, row, tools):
+        """Parse the finished turn: no tool call ends the trajectory (so does the turn limit); else the
+        row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
+        t = row.traj
+        # plain completions (generate, use_tools=False): a turn is the whole answer
+        if tools is None:
+            t.finish = "stop"
+            return
+        # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does
+        calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls)
+        if not calls:
+            t.finish = "stop"
+        elif t.turns >= self.max_turns:
+            t.finish = "max_turns"
+        else:
+            # park the row (its KV stays) and dispatch its calls; the pool answers on its own thread
+            row.state, row.calls = TOOLS, []
+            for c in calls:
+                # a malformed call is answered with the error text, never dropped: no future to wait on
+                if isinstance(c, str):
+                    rec = {"code": "", "stdin": "", "status": "invalid", "output": c, "duration": 0.0}
+                    row.calls.append((rec, None))
+                else:
+                    rec = {"code": c.code, "stdin": c.stdin}
+                    row.calls.append((rec, tools.submit(c.code, c.stdin)))
+            self.log("tool_start", row, n=len(calls))
+
+    def resume(self, row):
+        """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
+        is in the KV. Nothing when they do not fit its budget."""
+        t = row.traj
+        # every call's record gets its answer: status, duration and the text the model will read
+        for rec, fut in row.calls:
+            if fut is not None:
+                res = fut.result()
+                rec.update(status=res.status, duration=res.duration,
+                           output=agent.tool_response_text(res, self.tool_max_chars))
+            t.tool_calls.append(rec)
+        # the tool turn in the release's format, then `<|im_start|>assistant\n<reason>` for the next turn
+        suffix = agent.tool_suffix_ids(self.tok, [rec["output"] for rec, _ in row.calls])
+        row.calls = []
+        self.log("tool_done", row)
+        # stop before appending: a trajectory always ends on a model turn
+        if len(t.response_ids) + len(suffix) >= row.budget:
+            t.finish = "length"
+            return []
+        # the answers and the next turn's opening are context, not samples: mask 0
+        t.response_ids += suffix
+        t.mask += [0] * len(suffix)
+        t.logprobs += [0.0] * len(suffix)
+        # the next turn's text, for parse_tool_calls, starts here
+        row.turn_start = len(t.response_ids)
+        # the last sampled token (the turn's <|im_end|>) is still pending: it goes in with the answers
+        row.pending += suffix
+        # preempted while parked: it waits to be re-admitted, answers included
+        if not self.cache.holds(row.slot):
+            row.state = WAITING
+            return []
+        row.state = DECODE
+        return [Feed(row, row.pending)]
 
 
 def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):

@@ -5,7 +5,8 @@ scheduler.py (which ranks claim which requests) and rollout.Engine (how one engi
 parks rows on tools, and preempts) run on one RL step of the paper's size — 64 engines x 512
 prompts x 32 samples — with a documented cost model (see simulate()), to compare scheduling policies
 where we cannot run them: the paper's static baseline, our dynamic claiming with whole-budget
-reservations, and dynamic claiming over a paged KV cache that over-commits and preempts.
+reservations, dynamic claiming over a paged KV cache that over-commits by a fixed reserve and preempts,
+and the same with the promise following what finished rollouts used (rollout.Engine(reserve="auto")).
 Every parameter is written down next to its source (SIM_PARAMS) and printed with every result;
 none is tuned toward a result. Standard library + numpy only; nothing here touches torch.
 """
@@ -50,10 +51,13 @@ SIM_PARAMS = {  # key: (default, source). printed with every result; never tuned
                      "kv_bytes_per_token"),
     "reserve": (0.5, "rollout.Engine's default (README: why): paged admits a rollout while the KV not yet "
                      "promised holds prompt + reserve x budget"),
+    "auto_prior": (0.5, "rollout.AUTO_PRIOR: adaptive counts a rollout not yet finished at this share of "
+                        "the budget"),
     "static_sync_tools": (True, "paper §3.2: the static baseline runs each turn's tool calls as one "
                                 "synchronous batch per engine"),
 }
 DECODE, TOOL, BARRIER, DONE = 0, 1, 2, 3  # phases of a simulated rollout
+POLICIES = ("static", "dynamic", "paged", "adaptive")
 
 
 def sim_params(overrides=None):
@@ -184,6 +188,10 @@ def simulate(policy, params=None, seed=0):
                KV) and a rollout has finished since the last preemption, by recomputing its whole
                context. (The engine also shares a prompt's pages among its samples; the simulator counts
                each sample's prompt, over-stating KV use by up to a prompt, 200-400 tokens, per rollout.)
+      adaptive (paged with rollout.Engine(reserve="auto", max_rows=the rank's share)): the response share
+               promised is half the mean response share of the engine's rollouts this step, a finished one
+               at what it used and one still running at auto_prior (Pager.share); an engine holds at most
+               ceil(rollouts / engines) rollouts at once (max_rows).
       static   (make_claim "static", the paper's verl v0.2 + SGLang baseline): request i goes to engine
                i % engines; all of them are launched at once. When a decode step or a tool response
                does not fit the KV, half of the rows in the KV are evicted and re-queued: rows parked
@@ -199,8 +207,8 @@ def simulate(policy, params=None, seed=0):
     has a closed form (an arithmetic series) and the engine jumps k steps at once. Engines advance in
     order of their clocks through one heap, so claims from the shared queue happen in time order.
     Deterministic for a given seed."""
-    if policy not in ("static", "dynamic", "paged"):
-        raise ValueError(f"unknown policy {policy!r} (static | dynamic | paged)")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r} ({' | '.join(POLICIES)})")
     p = sim_params(params)
     w = sim_workload(p, seed)
     plen, model, tool, lat = w["plen"], w["model"], w["tool"], w["lat"]
@@ -212,8 +220,9 @@ def simulate(policy, params=None, seed=0):
     per_ctx = p["kv_bytes_per_token"] / bw  # seconds per context token read in a step
     per_prefill = 2 * p["n_params"] / flops  # seconds per prefilled token
     static, sync = policy == "static", policy == "static" and p["static_sync_tools"]
-    paged = policy == "paged"
+    paged, adaptive = policy in ("paged", "adaptive"), policy == "adaptive"
     res = int(math.ceil(p["reserve"] * budget))  # paged: response tokens promised to a row at admission
+    max_rows = -(-n // E) if adaptive else n  # rows an engine holds at once
 
     # per-rollout state
     ctx = np.zeros(n, dtype=np.int64)  # tokens in its context (in the KV when in_kv)
@@ -236,6 +245,7 @@ def simulate(policy, params=None, seed=0):
     kv_use = [[] for _ in range(E)]  # per engine: (from, to, mean KV tokens in use) of each interval
     queue_dry = [math.inf]  # when the shared queue ran out (dynamic, paged): the end of the steady phase
     next_req = 0  # dynamic: head of the shared queue
+    ended = [[0, 0] for _ in range(E)]  # adaptive, per engine: response tokens of its finished rollouts, count
 
     def prefill(e, tokens):
         kv_use[e].append((clock[e], clock[e] + tokens * per_prefill, used[e]))
@@ -254,7 +264,13 @@ def simulate(policy, params=None, seed=0):
         stats["evicted_rows"] += len(victims)
         may_admit[e] = False
 
-    def promised(rows):  # paged: KV promised to the rows in the KV beyond what they hold
+    def promise(e, rows):  # adaptive: Pager.share x budget, with `rows` the engine's unfinished rollouts
+        tokens, count = ended[e]
+        mean = (tokens + len(rows) * p["auto_prior"] * budget) / (count + len(rows)) if count + len(rows) else \
+            p["auto_prior"] * budget
+        return int(math.ceil(mean / 2))
+
+    def promised(rows, res):  # paged: KV promised to the rows in the KV beyond what they hold
         held = rows[in_kv[rows]]
         return int(np.maximum(plen[held] + res - ctx[held], 0).sum())
 
@@ -277,6 +293,8 @@ def simulate(policy, params=None, seed=0):
         in_kv[i], phase[i] = False, DONE
         if policy == "dynamic":
             reserved[e] -= plen[i] + budget
+        ended[e][0] += int(ctx[i] - plen[i])
+        ended[e][1] += 1
         completions[i] += 1
         may_admit[e] = True
 
@@ -306,12 +324,13 @@ def simulate(policy, params=None, seed=0):
                 waiting[e].append(int(i))
         # 2. admit work
         if paged and (may_admit[e] or not in_kv[rows].any()):
+            share = promise(e, rows) if adaptive else res  # response tokens promised to a row
             # preempted rows first, in admission order, then claims; all while the unpromised KV fits
-            avail = cap - used[e] - promised(rows)
+            avail = cap - used[e] - promised(rows, share)
             waiting[e].sort()
             while waiting[e]:
                 i = waiting[e][0]
-                need = max(ctx[i], plen[i] + res)
+                need = max(ctx[i], plen[i] + share)
                 if need > avail and in_kv[rows].any():
                     break
                 waiting[e].pop(0)
@@ -321,11 +340,12 @@ def simulate(policy, params=None, seed=0):
                 stats["recomputed_tokens"] += int(ctx[i])
                 prefill(e, ctx[i])
             first = -1
-            while not waiting[e] and next_req < n and (plen[next_req] + res <= avail or not in_kv[rows].any()):
+            while not waiting[e] and next_req < n and len(rows) < max_rows and \
+                    (plen[next_req] + share <= avail or not in_kv[rows].any()):
                 i, next_req = next_req, next_req + 1
                 in_kv[i], ctx[i] = True, plen[i]
                 used[e] += plen[i]
-                avail -= plen[i] + res
+                avail -= plen[i] + share
                 rows = np.append(rows, i)
                 if first < 0 or pid[first] != pid[i]:
                     prefill(e, plen[i])
@@ -430,10 +450,14 @@ def simulate(policy, params=None, seed=0):
     # (static; or a queue claimed whole at once); the mean share of the KV in use over it, over engines
     worked = done_at[done_at > 0]  # an engine can end up with no work when others claimed it all at once
     t_end = min(queue_dry[0] or math.inf, float(worked.min()) if len(worked) else 0.0)
-    steady = [sum(u * (min(b, t_end) - a) for a, b, u in segs if a < t_end) / (cap * max(t_end, 1e-9))
-              for segs in kv_use]
+    def mean_use(t_end):  # mean share of the KV in use over [0, t_end], over engines
+        return float(100 * np.mean([sum(u * (min(b, t_end) - a) for a, b, u in segs if a < t_end) /
+                                    (cap * max(t_end, 1e-9)) for segs in kv_use]))
     return dict(policy=policy, makespan_s=makespan, idle_pct=float(100 * np.mean(1 - busy / makespan)),
-                steady_kv_pct=float(100 * np.mean(steady)), steady_s=t_end,
+                steady_kv_pct=mean_use(t_end), steady_s=t_end,
+                # how long the first engine to finish waits for the last at the post-rollout gather
+                spread_s=makespan - (float(worked.min()) if len(worked) else 0.0),
+                first_done_kv_pct=mean_use(float(worked.min()) if len(worked) else 0.0),
                 mean_batch=stats["generated_tokens"] / max(stats["decode_steps"], 1),
                 kv_tokens=cap, peak_kv_tokens=int(peak.max()), completions=completions,
                 planned_tokens=int(model.sum()), resp_mu=w["mu"], resp_sigma=w["sigma"],
@@ -481,18 +505,22 @@ if __name__ == "__main__":
     print(f"\n{p['engines']} engines x {p['prompts']} prompts x {p['samples']} samples, seed {seed}. idle % = "
           f"share of the makespan an engine has nothing to decode or prefill (its rows all wait on tools, "
           f"or it is done while others work), averaged over engines. steady KV % = mean share of the KV in use "
-          f"until the shared queue runs dry (or the first engine is done). paged: reserve {p['reserve']:g}.")
+          f"until the shared queue runs dry (or the first engine is done); KV % to 1st done: the same until the first engine is done; spread s = first-to-last engine finish, the longest wait at the post-rollout gather. paged: reserve {p['reserve']:g}; "
+          f"adaptive: reserve=auto (prior {p['auto_prior']:g}), at most {-(-p['prompts'] * p['samples'] // p['engines'])} "
+          f"rollouts per engine at once.")
     head = (f"{'scenario':<28} {'policy':<8} {'makespan s':>10} {'speedup':>7} {'idle %':>6} {'evictions':>9} "
-            f"{'evicted rows':>12} {'recomputed tok':>14} {'mean batch':>10} {'peak KV %':>9} {'steady KV %':>11}")
+            f"{'evicted rows':>12} {'recomputed tok':>14} {'mean batch':>10} {'peak KV %':>9} {'steady KV %':>11} "
+            f"{'KV % to 1st done':>16} {'spread s':>8}")
     print(head + "\n" + "-" * len(head))
     for name, over in scenarios:
-        res = {pol: simulate(pol, {**p, **over}, seed) for pol in ("static", "dynamic", "paged")}
+        res = {pol: simulate(pol, {**p, **over}, seed) for pol in POLICIES}
         for pol, r in res.items():
             speedup = res["static"]["makespan_s"] / r["makespan_s"]
             kv_pct = 100 * r["peak_kv_tokens"] / r["kv_tokens"]
             print(f"{name if pol == 'static' else '':<28} {pol:<8} {r['makespan_s']:>10.1f} {speedup:>6.2f}x "
                   f"{r['idle_pct']:>6.1f} {r['evictions']:>9,} {r['evicted_rows']:>12,} "
-                  f"{r['recomputed_tokens']:>14,} {r['mean_batch']:>10.1f} {kv_pct:>9.1f} {r['steady_kv_pct']:>11.1f}")
+                  f"{r['recomputed_tokens']:>14,} {r['mean_batch']:>10.1f} {kv_pct:>9.1f} {r['steady_kv_pct']:>11.1f} "
+                  f"{r['first_done_kv_pct']:>16.1f} {r['spread_s']:>8.1f}")
         r = res["dynamic"]
         print(f"{'':<28} workload: lognormal mu {r['resp_mu']:.3f} sigma {r['resp_sigma']:.3f}, response mean "
               f"{r['resp_tokens_mean']:.0f} tokens, {r['truncated_frac']:.1%} cut by the budget, "

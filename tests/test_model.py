@@ -136,6 +136,30 @@ def test_token_logprobs_values_entropy_and_grad(pair):
         token_logprobs(ours, ids, targets[:, :-1])
 
 
+def test_entropy_is_computed_once_off_the_graph(pair, monkeypatch):
+    """the entropy metric: one softmax per chunk in the forward, none in the backward's recompute of the
+    checkpointed chunks (which rebuilds only the log-probs), whether or not the checkpoint stops its
+    recompute early (torch's default, which hid the old recompute); the log-probs' gradients as without it"""
+    _, ours, _ = pair
+    ids, mask = padded_batch()
+    targets = torch.roll(ids, -1, dims=1)
+    calls, softmax = [], torch.Tensor.softmax
+    monkeypatch.setattr(torch.Tensor, "softmax", lambda self, *a, **k: calls.append(1) or softmax(self, *a, **k))
+    for early_stop in (True, False):
+        grads = []
+        for with_entropy in (False, True):
+            ours.zero_grad()
+            calls.clear()
+            with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+                out = token_logprobs(ours, ids, targets, mask, chunk_size=5, with_entropy=with_entropy)
+                lp = out[0] if with_entropy else out
+                lp.sum().backward()
+            assert len(calls) == (-(-ids.numel() // 5) if with_entropy else 0)  # 8 chunks of <= 5 tokens
+            grads.append([p.grad.clone() for p in ours.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ours.zero_grad()
+
+
 def test_save_then_transformers_load(pair, tmp_path):
     hf, ours, _ = pair
     fresh = Qwen(ours.cfg)  # a model only we have touched

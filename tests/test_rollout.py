@@ -189,8 +189,9 @@ def test_prefix_sharing_prefills_a_prompt_once(tiny):
     path, tok, _ = tiny
     engine = Engine(load_model(path), tok, kv_capacity=8 * 128, max_len=128, temperature=1.0)
     p = prompts_of(tok, 1)[0]
-    trajs = engine.run(iter_claim([Request(p, key=(0, 0, s)) for s in range(8)]), 10)
-    assert engine.stats["prefill_tokens"] == len(p) and len(trajs) == 8
+    for _ in range(2):  # engine.stats counts one run: run() starts it from zero
+        trajs = engine.run(iter_claim([Request(p, key=(0, 0, s)) for s in range(8)]), 10)
+        assert engine.stats["prefill_tokens"] == len(p) and len(trajs) == 8
 
 
 def test_cache_rows_too_long_are_refused(tiny):
@@ -342,3 +343,49 @@ def test_whole_budget_reservations_admit_as_many_rows_as_before(tiny):
         engine.run(iter_claim(reqs), 20)
         assert engine.num_rows == 5 and engine.stats["preemptions"] == 0
         assert engine.stats["decode_steps"] == 2 * 19  # two rounds of 5 rows, each 20 tokens (the first sampled)
+
+
+def test_auto_reserve_follows_what_the_runs_rows_used(tiny):
+    """reserve="auto": when rows end early more of them share the KV than under the fixed reserve, when
+    they run to their budget the promise grows past the prior; the trajectories are those of a roomy
+    engine, the pool is never exceeded, and a second run repeats the first's batches exactly"""
+    path, tok, _ = tiny
+    model = load_model(path)
+    reqs = [Request(prompts_of(tok, 6)[i % 6], key=(0, i, 0)) for i in range(24)]
+    roomy = Engine(model, tok, kv_capacity=24 * 128, max_len=128, temperature=1.0, reserve=1.0)
+
+    def run(engine, stop):
+        engine.stop_ids, seen = stop, []
+        real = model.forward_cached
+
+        def spy(ids, cache, rows, last_only=False, n_new=None):
+            out = real(ids, cache, rows, last_only, n_new)
+            seen.append(sum(cache.holds(r) for r in range(cache.num_rows)))
+            return out
+        model.forward_cached = spy
+        try:
+            trajs = engine.run(iter_claim(reqs), 60)
+        finally:
+            del model.forward_cached
+        assert engine.cache.free_pages() == engine.cache.num_pages
+        return {t.key: t.response_ids for t in trajs}, max(seen)
+
+    short = set(range(len(tok)))  # every token ends the turn: responses of 1 token
+    for stop in (short, set()):
+        want, _ = run(roomy, stop)
+        fixed = Engine(model, tok, kv_capacity=4 * 128, max_len=128, temperature=1.0, reserve=0.5, max_rows=24)
+        auto = Engine(model, tok, kv_capacity=4 * 128, max_len=128, temperature=1.0, reserve="auto", max_rows=24,
+                      log_events=True)
+        (got_fixed, rows_fixed), (got_auto, rows_auto) = run(fixed, stop), run(auto, stop)
+        assert got_fixed == got_auto == want
+        if stop:
+            # 1-token answers: the promise falls from half the prior towards nothing
+            assert rows_auto > rows_fixed and auto.pager.share({}) < 0.05
+        else:
+            # every row uses its whole budget: half of it is promised once the run has seen that
+            assert auto.pager.share({}) == 0.5 and auto.stats["preemptions"] > 0
+        first = [e[1:] for e in auto.events]
+        run(auto, stop)
+        assert [e[1:] for e in auto.events[len(first):]] == first  # same admissions, same batches
+    with pytest.raises(ValueError, match="auto"):
+        Engine(model, tok, kv_capacity=512, max_len=128, reserve="adaptive")

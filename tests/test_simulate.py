@@ -208,3 +208,26 @@ def test_paged_over_commits_and_uses_more_of_the_kv():
     dynamic, paged = simulate("dynamic", p, seed=3), simulate("paged", {**p, "reserve": 0.25}, seed=3)
     assert paged["mean_batch"] > dynamic["mean_batch"]
     assert paged["steady_kv_pct"] > dynamic["steady_kv_pct"]
+
+
+def test_adaptive_completes_everything_within_the_kv_and_repeats():
+    for kv in (TIGHT, 3 * TIGHT, 0):
+        r = simulate("adaptive", {**SMALL, "kv_tokens": kv}, seed=1)
+        assert (r["completions"] == 1).all() and r["generated_tokens"] == r["planned_tokens"]
+        assert r["peak_kv_tokens"] <= r["kv_tokens"]
+    a, b = (simulate("adaptive", {**SMALL, "kv_tokens": TIGHT}, seed=4) for _ in range(2))
+    assert a["makespan_s"] == b["makespan_s"] and a["evictions"] == b["evictions"]
+
+
+def test_adaptive_runs_more_rows_when_rollouts_end_early():
+    """the promise follows the run's finished rollouts: short ones (1K mean of an 8K budget) let more rows
+    share the KV than the fixed reserve does; with most rollouts near the budget the gain shrinks. One
+    engine, so its share of the step (max_rows) never binds before the KV does"""
+    p = dict(engines=1, prompts=16, samples=8, kv_tokens=3 * TIGHT)
+    gain = {}
+    for name, over in (("short", dict(resp_mean=1024.0, resp_sigma=0.64)), ("long", dict(resp_mean=7000.0,
+                                                                                         clip_frac=0.6))):
+        a, b = simulate("adaptive", {**p, **over}, seed=3), simulate("paged", {**p, **over}, seed=3)
+        assert a["steady_kv_pct"] > b["steady_kv_pct"] and a["makespan_s"] < b["makespan_s"]
+        gain[name] = a["mean_batch"] / b["mean_batch"]
+    assert gain["long"] < gain["short"]
