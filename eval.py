@@ -223,7 +223,7 @@ if __name__ == "__main__":
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
     tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks
     tool_timeout = 4.0  # seconds per tool call
-    tool_memory = 1 << 30  # bytes per tool call
+    tool_memory = 256 << 20  # bytes of address space per tool call (code-judge's MAX_MEMORY default)
     tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
     seed = 0
     limit = 0  # evaluate the first N problems only; 0 = all
@@ -282,8 +282,8 @@ if __name__ == "__main__":
             ensure_ascii=False) + "\n")
 
     t0 = time.time()
-    with SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory,
-                     isolation=tool_isolation) as tools:  # TODO(merge): local_rank, workers=None
+    with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
+                     isolation=tool_isolation) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
                         max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)

@@ -38,10 +38,19 @@ How a status is decided (first rule that matches):
     error       an exception reached the top level (stderr: the release harness's words) or a non-zero exit
     ok          anything else, including sys.exit(0) and os._exit(0)
 Knobs (keyword arguments; the training configs set them):
-    workers        slots, each running one call at a time in its lean or rich worker (default: CPU cores)
-    timeout        wall-clock seconds per call (default 4, as the paper's service); run() can override it
+    workers        slots, each running one call at a time in its lean or rich worker (default: the node's CPU
+                   cores shared by the ranks on it, os.cpu_count() // LOCAL_WORLD_SIZE)
+    local_rank     which rank of the node owns the pool (default: LOCAL_RANK): as root, each slot of each rank
+                   of a node runs as its own uid, so RLIMIT_NPROC, which counts a uid host-wide, never lets one
+                   rank's process-heavy call fail another rank's (65534 down to 65000: 535 slots per node)
+    timeout        wall-clock seconds per call (default 4: rStar's README starts code-judge with
+                   MAX_EXECUTION_TIME=4); run() can override it
     memory         bytes of address space a call process may add on top of the warm interpreter (~20 / ~175 MiB
-                   lean / rich), also the largest file it may write and each worker's /tmp size (default 1 GiB)
+                   lean / rich), also the largest file it may write and each worker's /tmp size. Default 256
+                   MiB: code-judge's MAX_MEMORY default, which rStar does not override. Its limit is on a fresh
+                   python3 (+128 MiB for the interpreter) and ours on top of a warm one, so allocations between
+                   ~256 and ~350 MiB can differ; the test pins ones that fail and succeed in both
+                   (tests/test_sandbox.py: list(range(10**7)) and [0] * 75_000_000 fail, 80 MB succeed)
     output_cap     bytes kept of stdout and of stderr each (default 64 KiB)
     queue_timeout  seconds a call may wait for a free worker before it is answered `overloaded` (default 60)
     isolation      "auto" (bwrap, else unshare, else refuse to start), "bwrap", "unshare", or "none" (opt-out)
@@ -125,9 +134,11 @@ class SandboxPool:
     """A pool of sandboxed Python workers. Use `with` or start()/close() (sync `map`, `submit`), or
     `async with` (`await run`)."""
 
-    def __init__(self, workers=None, timeout=4.0, memory=1 << 30, output_cap=1 << 16,
-                 queue_timeout=60.0, isolation="auto"):
-        workers = os.cpu_count() if workers is None else workers
+    def __init__(self, workers=None, timeout=4.0, memory=256 << 20, output_cap=1 << 16,
+                 queue_timeout=60.0, isolation="auto", local_rank=None):
+        if workers is None:
+            workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"SandboxPool: workers must be a positive int, got {workers!r}")
         for name, v, lo in (("timeout", timeout, 1e-3), ("queue_timeout", queue_timeout, 1e-3),
@@ -332,7 +343,8 @@ class SandboxPool:
 
     def _spawn(self, slot, rich):
         root = os.geteuid() == 0
-        cfg = {"uid": 65534 - slot % 535 if root else None, "rich": rich, "memory": self.memory,
+        uid = 65534 - (self.local_rank * self.workers + slot) % 535 if root else None  # one per slot per node
+        cfg = {"uid": uid, "rich": rich, "memory": self.memory,
                "output_cap": self.output_cap, "view": self._view}
         modes = [self.mode] if self.mode else ["bwrap", "unshare"] if self.isolation == "auto" else [self.isolation]
         failures = []

@@ -80,8 +80,8 @@ kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full 
 deterministic = False  # True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
 rollout_split = "dynamic"  # how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
 tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks (LOCAL_WORLD_SIZE)
-tool_timeout = 4.0  # seconds per call (the released code-judge README's MAX_EXECUTION_TIME; the paper gives none)
-tool_memory = 1 << 30  # bytes per call
+tool_timeout = 4.0  # seconds per call (rStar's README runs code-judge with MAX_EXECUTION_TIME=4; the paper gives none)
+tool_memory = 256 << 20  # bytes of address space per call (code-judge's MAX_MEMORY default)
 tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
 tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
 max_calls_per_turn = 1
@@ -242,8 +242,8 @@ def n_failed(statuses):
 
 
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
-tools = SandboxPool(workers=tool_workers or os.cpu_count(), timeout=tool_timeout, memory=tool_memory,
-                    isolation=tool_isolation).start()  # TODO(merge): local_rank, workers=None
+tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
+                    isolation=tool_isolation).start()
 max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
 grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
@@ -388,7 +388,6 @@ while step < steps:
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
         "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),
     }
-    engine.stats.update(tool_wait_s=0.0, preemptions=0, recomputed_tokens=0)
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
            f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "

@@ -15,7 +15,7 @@ max_turns = 30
 max_calls_per_turn = 1
 tool_max_chars = 256         # the release trains and evaluates with verl's default max_tool_response_length
 kv_capacity = 0              # 0 = 90% of the free GPU memory after the weights
-tool_workers = 64            # sandbox workers per rank
-tool_timeout = 4.0           # the released code-judge README's MAX_EXECUTION_TIME (the paper gives none)
+tool_workers = 0             # the node's cores shared by its ranks
+tool_timeout = 4.0           # rStar's README runs code-judge with MAX_EXECUTION_TIME=4 (the paper gives none)
 seed = 0
 dtype = "bfloat16"
