@@ -83,7 +83,9 @@ rollout.Engine.sample = sample
 # faults, chosen by REHEARSAL_FAULT=kind:step (tests/test_rehearsal.py):
 #   kill:N    rank 0 dies (SIGKILL's exit code) in the middle of the checkpoint save of step N
 #   enospc:N  the save of step N fails on every rank: the disk is full
-#   stop:N    rank 1 stops itself (SIGSTOP) when step N's rollouts begin: the other ranks wait at the gather
+#   stop:N    rank 1 stops itself (SIGSTOP) when step N's rollouts begin: the other ranks wait at the gather;
+#             it is continued 25 s later (past the test's dist_timeout_s), so torchrun need not wait out its
+#             grace period to kill a stopped process
 fault, _, at = os.environ.get("REHEARSAL_FAULT", "").partition(":")
 if fault in ("kill", "enospc"):
     import torch.distributed.checkpoint as dcp
@@ -100,11 +102,13 @@ if fault in ("kill", "enospc"):
     dcp.save = save
 elif fault == "stop":
     import signal
+    import subprocess
     import scheduler
     _generate = scheduler.generate
 
     def generate(*args, counter, **kw):
         if counter == f"rl/{int(at) - 1}" and os.environ.get("RANK") == "1":
+            subprocess.Popen(["sh", "-c", f"sleep 25; kill -CONT {os.getpid()}"], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         return _generate(*args, counter=counter, **kw)
     scheduler.generate = generate
