@@ -16,8 +16,15 @@ A trajectory is built token-in/token-out: the prompt ids, then the ids the polic
 the tool-response suffix (mask 0), and so on. Nothing is ever re-rendered from messages, which is why
 render_conversation (for SFT) builds ids from the very same pieces the rollout appends.
 
-The tool turn is the release's, token for token (rStar repo: rstar2_agent/rollout/rstar2_agent_loop.py,
-tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's multi_turn defaults; code-judge):
+The tool turn is identical to the release's code, token for token (rStar repo:
+rstar2_agent/rollout/rstar2_agent_loop.py, tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's
+multi_turn defaults; code-judge). That code is not what trained rStar2-Agent-14B: the release's README says
+the model was trained on verl v0.2 with the authors' own multi-turn framework and that the released port
+"hasn't been used to train a complete model yet". The paper's example traces of the trained model (Figs.
+10-11) show another response format: the raw stdout on success, "tool call failed ... reason: error
+message: Traceback ..." on failure. The release's chat demo (examples/chat_with_tool_call.py) feeds the
+released weights the release's format, and so do we; what the model saw in training is not published.
+The release's format, item by item:
 - there is no "\n" between the model's <|im_end|> and "<|im_start|>user": the release renders the tool
   messages alone and cuts off the rendered default system turn, which ends in the "\n";
 - a response is code-judge's verdict in the client's words: "Tool call success" or "Tool call failure"
@@ -54,8 +61,11 @@ Choices that differ from the release on purpose (none changes the form of what t
   rollout tokenize differently from run to run: no exact resume, no reproducible tiny run. Only the
   digits can differ from what the released model saw, not the format;
 - tool name execute_python_code_with_standard_io (paper Fig. 3, the HF model card) where the repo's
-  yaml registers python_code_with_standard_io: the released weights call the former, and the repo's
-  loop would answer every such call "Error when executing tool: 'execute_python_code_with_standard_io'";
+  yaml registers python_code_with_standard_io: the released weights call the former. The release's own
+  prompt lists the yaml's name; a model that calls the paper's name under it is answered "Error when
+  executing tool: 'execute_python_code_with_standard_io'";
+- the tool schema in the prompt has no "return" entry: paper Fig. 3 shows one, the release's yaml (which
+  renders the prompt the released model is run with) has none, and we follow the yaml;
 - the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule) of the final
   assistant turn, outside its tool calls, and uses math-verify only (the code OR-s it with the PRIME
   grader, on the whole response), with our own guards around it: separators and spaces normalised, a
@@ -67,10 +77,18 @@ Where we cannot be identical (the release's text depends on things we do not hav
 - a non-string "name" is answered "Failed to decode tool call: ..." as in the release, but not with
   pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
   the whole failed batch, other trajectories' calls included;
-- a timeout always adds "Suicide from timeout." (the release's CPU-rlimit kill, which can come first
-  inside a long C call, prints nothing);
-- the sandbox runs Python 3.11 where code-judge's image has 3.12, so a few error messages differ
-  (sandbox_worker.py lists what else of its harness cannot be the same).
+- a timeout always adds "Suicide from timeout.". The release's harness sets a 4 s CPU rlimit next to its
+  4 s alarm, and the rlimit also counts the interpreter's start-up, so the kernel's SIGXCPU/SIGKILL often
+  comes first: a long C call then reports nothing, and a busy Python loop often gets an empty report with
+  its printed stdout lost (3 of 6 tries in the issue-23 audit). The status (timeout) and so p_err are the
+  same either way; only the text differs;
+- the sandbox runs this environment's Python (3.11 in the tests) where rStar's README asks for 3.12 and
+  code-judge's workers run that environment's python3, so a few error messages differ;
+- a call runs in a fork of a warm worker, not in a fresh python3: numpy, scipy and sympy are already
+  imported (their import costs nothing against the 4 s limit), `random`'s and sympy's generator state, the
+  `hash()` seed and so set iteration order are the worker's (the same in every call of one worker, where a
+  fresh python3 draws new ones; a worker is replaced only when it dies), and code runs as __main__, so
+  classes it defines pickle as they would in a script.
 """
 
 import concurrent.futures

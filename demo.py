@@ -156,6 +156,8 @@ axes[4].set_ylim(0, 100)
 for ax in axes[:4]:
     ax.set_xlabel("RL step")
     ax.legend()
+for ax in axes[:3]:  # no "× 10^k + offset" label above an axis: it would sit on the next panel's title
+    ax.ticklabel_format(axis="y", useOffset=False)
 fig.tight_layout()
 fig.savefig(f"{out}/curves.png", dpi=100)
 

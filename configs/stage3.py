@@ -11,5 +11,5 @@ run_dir = "out/stage3"
 steps = 125
 max_response_tokens = 12288
 max_turns = 15
-warmup_steps = 0
+warmup_steps = 0              # the paper's only warm-up is stage 1's first 20 steps; none after the reset
 data_restart = True          # new data: its own stream from the start
