@@ -427,3 +427,21 @@ def test_config_rejects_unsupported(tmp_path):
             Config.from_json(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(base))
     assert Config.from_json(str(tmp_path)) == Config(**{k: base[k] for k in Config.__dataclass_fields__})
+
+
+def test_paged_flash_is_tried_once_and_falls_back_to_sdpa(monkeypatch, capsys):
+    """A flash-attn without paged decoding (e.g. its Triton AMD backend) is found out at start, said once, and
+    the KV cache is read through SDPA instead of failing at the first decode step."""
+    import model
+    calls = []
+
+    def no_block_table(q, k, v, cache_seqlens, block_table, causal):
+        calls.append(block_table.shape)
+        raise NotImplementedError("block_table is not supported")
+    monkeypatch.setattr(model, "_paged", {})
+    monkeypatch.setattr(model, "flash_attn_with_kvcache", no_block_table)
+    assert not model.paged_flash("cpu", torch.bfloat16) and not model.paged_flash("cpu", torch.bfloat16)
+    assert calls == [(1, 1)] and capsys.readouterr().out.count("cannot decode through a page table") == 1
+    monkeypatch.setattr(model, "_paged", {})
+    monkeypatch.setattr(model, "flash_attn_with_kvcache", lambda *a, **k: None)
+    assert model.paged_flash("cpu", torch.bfloat16)
