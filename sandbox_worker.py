@@ -27,6 +27,7 @@ of the host is there: no home directories, no checkout, no run data, nothing of 
 """
 
 import ast
+import contextlib
 import ctypes
 import functools
 import gc
@@ -35,7 +36,6 @@ import math
 import os
 import resource
 import select
-import shutil
 import signal
 import struct
 import sys
@@ -329,6 +329,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
         os.rmdir(tmp)  # usually the code wrote nothing
     except OSError:
         _rmtree(tmp)
+    _drop_ipc(cfg, libc)
     # 3) decide the status (the rules are in the module docstring)
     # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
     ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").rpartition("\0")[2].partition("\n")
@@ -516,19 +517,82 @@ def _deadline(signum, frame):
 
 
 def _rmtree(path):
+    """Remove what a call left, without recursion and by short relative names (shutil.rmtree recursed: 5,000
+    nested directories raised RecursionError and killed the worker, and their full paths pass PATH_MAX),
+    opening up directories the code chmod-ed shut, and never following a link it planted."""
     if os.path.islink(path) or not os.path.isdir(path):  # the code moved it, or put something in its place
         if os.path.lexists(path):
-            os.unlink(path)  # (never chmod through a link it planted)
+            os.unlink(path)
         return
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):  # the code chmod-ed something shut: open directories up and retry
+    back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    names, stuck = [], set()  # the directories we are in, below path; inodes that cannot be entered or removed
+    try:
         os.chmod(path, 0o700)
-        for root, dirs, _ in os.walk(path):
-            for d in dirs:
-                p = os.path.join(root, d)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o700)
-        shutil.rmtree(path, ignore_errors=True)
+        os.chdir(path)
+        while True:
+            sub = None
+            for e in list(os.scandir(".")):
+                if not e.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.unlink(e.name)
+                elif sub is None and e.inode() not in stuck:
+                    sub = e
+            if sub is not None:  # go down
+                try:
+                    os.chmod(sub.name, 0o700)
+                    os.chdir(sub.name)
+                    names.append((sub.name, sub.inode()))
+                except OSError:
+                    stuck.add(sub.inode())
+                continue
+            if not names:
+                break
+            name, inode = names.pop()  # this one is empty: go up and remove it
+            os.chdir("..")
+            try:
+                os.rmdir(name)
+            except OSError:
+                stuck.add(inode)
+    except OSError:
+        pass
+    finally:
+        os.fchdir(back)
+        os.close(back)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _drop_ipc(cfg, libc):
+    """SysV shared memory, message queues and semaphores outlive the process that made them (and sit outside
+    every memory limit): remove those the call's uid made, so the next call starts from none. Removing needs
+    the owner's uid, so it is done by a child that takes it (as root; otherwise the call ran as our own uid).
+    With isolation "none" and no uid of its own the namespace is the host's, and those objects are not ours."""
+    uid = cfg["uid"]
+    if uid is None and cfg["mode"] == "none":
+        return
+    uid = os.getuid() if uid is None else uid
+    found = []  # (kind, id); the columns: key, id, perms, ... and "cuid" (the creator, which no call can change)
+    for kind in ("shm", "msg", "sem"):
+        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{kind}") as f:
+            head, *rows = f.read().splitlines()
+            at = head.split().index("cuid")
+            found += [(kind, int(r.split()[1])) for r in rows if int(r.split()[at]) == uid]
+    if not found:  # the usual case: no fork
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if cfg["uid"] is not None:
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+            for kind, i in found:
+                if kind == "sem":
+                    libc.semctl(i, 0, 0)  # IPC_RMID = 0
+                else:
+                    getattr(libc, kind + "ctl")(i, 0, None)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 # ------------------------------------------------------------------------------------------------

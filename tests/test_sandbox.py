@@ -724,3 +724,23 @@ def test_two_ranks_of_a_node_do_not_share_process_limits():
         futures = [a.submit(code, timeout=10.0), b.submit(code, timeout=10.0)]
         results = [f.result() for f in futures]
     assert [(r.status, r.stdout) for r in results] == [("ok", "40\n")] * 2, results
+
+
+IPC_MAKE = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "print(libc.shmget(0x5EED, 64 << 20, 0o1666) >= 0, libc.msgget(0x5EED, 0o1666) >= 0, "
+            "libc.semget(0x5EED, 1, 0o1666) >= 0)")
+IPC_FIND = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
+            "print(libc.shmget(0x5EED, 0, 0), libc.msgget(0x5EED, 0), libc.semget(0x5EED, 0, 0))")
+
+
+def test_a_call_leaves_no_ipc_objects_and_any_depth_of_directories(pool):
+    """SysV shared memory, message queues and semaphores outlive their process (the next call read them, and
+    segments sit outside every memory limit); 5,000 nested directories, the deepest shut, killed the worker
+    in its clean-up (RecursionError). The next call sees neither, from the same worker."""
+    before = descendants()
+    nest = ("import os\nfor i in range(5000):\n    os.mkdir('d')\n    os.chdir('d')\n"
+            "open('f', 'w').write('x')\nos.chmod('.', 0)\nprint('deep')")
+    results = pool.map([IPC_MAKE, IPC_FIND, nest, "import os\nprint(os.listdir('.'))"])
+    assert [(r.status, r.stdout) for r in results] == [
+        ("ok", "True True True\n"), ("ok", "-1 -1 -1\n"), ("ok", "deep\n"), ("ok", "[]\n")], results
+    check_host_and_pool(pool, before)
