@@ -22,6 +22,7 @@ Loading a 14B model on many ranks without a full copy per rank:
     load_weights(model, path, device="cuda")          # each rank reads only its rows of each tensor
 """
 
+import functools
 import json
 import math
 import os
@@ -115,26 +116,21 @@ def use_flash(device, dtype):
             and dtype in (torch.float16, torch.bfloat16))
 
 
-_paged = {}
-
-
+@functools.cache
 def paged_flash(device, dtype):
     """Whether flash-attn decodes through a page table here. Its CUDA and ROCm CK backends do; its Triton AMD
     backend (ROCm with FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE) may not. Tried once on a one-page toy rather
     than guessed from versions; without it the KV cache reads its pages through SDPA (slower, same results),
     said once, instead of failing at the first decode step."""
-    key = (str(device), dtype)
-    if key not in _paged:
-        try:
-            q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (1, 256))
-            one = torch.ones(1, dtype=torch.int32, device=device)
-            flash_attn_with_kvcache(q, k, k, cache_seqlens=one, block_table=one.view(1, 1) - 1, causal=True)
-            _paged[key] = True
-        except Exception as e:  # noqa: BLE001 (any failure means: do not decode through it)
-            print(f"model: flash-attn cannot decode through a page table here ({type(e).__name__}: {e}); "
-                  "the KV cache is read through SDPA (slower, the same results)", flush=True)
-            _paged[key] = False
-    return _paged[key]
+    try:
+        q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (1, 256))
+        one = torch.ones(1, dtype=torch.int32, device=device)
+        flash_attn_with_kvcache(q, k, k, cache_seqlens=one, block_table=one.view(1, 1) - 1, causal=True)
+        return True
+    except Exception as e:  # noqa: BLE001 (any failure means: do not decode through it)
+        print(f"model: flash-attn cannot decode through a page table here ({type(e).__name__}: {e}); "
+              "the KV cache is read through SDPA (slower, the same results)", flush=True)
+        return False
 
 
 # -----------------------------------------------------------------------------
@@ -434,7 +430,7 @@ class KVCache:
     """
 
     def __init__(self, cfg, num_rows, max_len, device, dtype, num_pages=None, page_size=16):
-        self.flash = use_flash(device, dtype) and paged_flash(device, dtype)
+        self.flash = use_flash(device, dtype) and paged_flash(str(device), dtype)
         if self.flash and page_size % 256:  # flash_attn_with_kvcache's documented requirement
             raise ValueError(f"flash-attn's paged KV cache needs page_size a multiple of 256, got {page_size}")
         self.num_rows, self.max_len, self.page_size = num_rows, max_len, page_size

@@ -438,10 +438,11 @@ def test_paged_flash_is_tried_once_and_falls_back_to_sdpa(monkeypatch, capsys):
     def no_block_table(q, k, v, cache_seqlens, block_table, causal):
         calls.append(block_table.shape)
         raise NotImplementedError("block_table is not supported")
-    monkeypatch.setattr(model, "_paged", {})
+    model.paged_flash.cache_clear()
     monkeypatch.setattr(model, "flash_attn_with_kvcache", no_block_table)
     assert not model.paged_flash("cpu", torch.bfloat16) and not model.paged_flash("cpu", torch.bfloat16)
     assert calls == [(1, 1)] and capsys.readouterr().out.count("cannot decode through a page table") == 1
-    monkeypatch.setattr(model, "_paged", {})
+    model.paged_flash.cache_clear()
     monkeypatch.setattr(model, "flash_attn_with_kvcache", lambda *a, **k: None)
     assert model.paged_flash("cpu", torch.bfloat16)
+    model.paged_flash.cache_clear()

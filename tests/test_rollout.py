@@ -1,5 +1,6 @@
 """The rollout engine against transformers' greedy decoding, its tool loop, KV limits and seeding."""
 import concurrent.futures
+import contextlib
 import json
 import os
 import threading
@@ -13,6 +14,22 @@ import agent
 import data
 from model import KVCache, load_model
 from rollout import Engine, Request, iter_claim
+
+
+@contextlib.contextmanager
+def watching(model, after):
+    """model.forward_cached calls after(ids, cache) once each forward is done (on this instance only)."""
+    real = model.forward_cached
+
+    def spy(ids, cache, *args, **kw):
+        out = real(ids, cache, *args, **kw)
+        after(ids, cache)
+        return out
+    model.forward_cached = spy
+    try:
+        yield
+    finally:
+        del model.forward_cached
 
 QUESTIONS = ["What is 12 + 7?", "What is 123456 * 98 - 5?", "What is 3 - 4 * 5 + 6?", "What is 8 * 8?",
              "What is 99999 - 1?", "What is 5 + 5 + 5 + 5?", "What is 31 * 41?"]
@@ -52,12 +69,8 @@ def test_greedy_equals_transformers_one_prompt_at_a_time(tiny):
     for rows, prefill_tokens in ((3, 16384), (7, 60)):
         engine = Engine(model, tok, kv_capacity=rows * 160, max_len=160, prefill_tokens=prefill_tokens)
         forwards = []
-        real = model.forward_cached
-        model.forward_cached = lambda ids, *a, **k: forwards.append(ids.shape) or real(ids, *a, **k)
-        try:
+        with watching(model, lambda ids, cache: forwards.append(ids.shape)):
             outs = engine.generate(prompts, max_new_tokens=24)
-        finally:
-            del model.forward_cached
         assert outs == refs
         assert engine.stats["decode_steps"] < sum(len(o) for o in outs)  # rows really were batched
         prefills = [s for s in forwards if s[1] > 1]
@@ -162,18 +175,12 @@ def test_kv_capacity_never_exceeded_and_seeding_ignores_batch_composition(tiny):
                         reserve=1.0)  # whole-budget reservations: rows x max_len is the pool
         capacity = engine.num_rows * engine.max_len
         seen = []
-        real = model.forward_cached
 
-        def checked(ids, cache, idx, last_only=False, n_new=None):
-            out = real(ids, cache, idx, last_only, n_new)
+        def checked(ids, cache):
             assert int(cache.lengths.sum()) <= capacity and int(cache.lengths.max()) <= cache.max_len
             seen.append(int((cache.lengths > 0).sum()))
-            return out
-        model.forward_cached = checked
-        try:
+        with watching(model, checked):
             trajs = engine.run(iter_claim(reqs), 40)
-        finally:
-            del model.forward_cached
         assert max(seen) == rows and len(trajs) == 24
         results[rows] = {t.key: (t.response_ids, t.logprobs) for t in trajs}
     assert results[2].keys() == results[5].keys()
@@ -356,17 +363,8 @@ def test_auto_reserve_follows_what_the_runs_rows_used(tiny):
 
     def run(engine, stop):
         engine.stop_ids, seen = stop, []
-        real = model.forward_cached
-
-        def spy(ids, cache, rows, last_only=False, n_new=None):
-            out = real(ids, cache, rows, last_only, n_new)
-            seen.append(sum(cache.holds(r) for r in range(cache.num_rows)))
-            return out
-        model.forward_cached = spy
-        try:
+        with watching(model, lambda ids, cache: seen.append(sum(cache.holds(r) for r in range(cache.num_rows)))):
             trajs = engine.run(iter_claim(reqs), 60)
-        finally:
-            del model.forward_cached
         assert engine.cache.free_pages() == engine.cache.num_pages
         return {t.key: t.response_ids for t in trajs}, max(seen)
 
