@@ -8,6 +8,7 @@ they print tables with both sides and the ratio; nothing asserts a speed.
     python bench.py sandbox    # the tool sandbox pool vs a fresh python3 per call (~3 minutes)
     python bench.py scale      # what crosses ranks after a rollout phase, before / after, at 64-GPU scale
     python bench.py mem        # one 14B rank's training transients (a layer's recompute, the output layer)
+    python bench.py gpu        # the prepared check for a GPU (below); --cpu dry-runs it at toy sizes
     python bench.py --threads=2 --reps=5
 
 The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
@@ -44,6 +45,14 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
 (sandbox) the tool pool (sandbox.py, isolation on) vs the released executor's pattern, a fresh python3
     per call with the same rlimits, at concurrency 1, 64 and 1024: trivial and sympy snippets, throughput,
     latency end to end and inside the sandbox, and the speed goals (run alone: `python bench.py sandbox`).
+(gpu) one command for a GPU, well under 10 minutes, a table printed and JSON written (--out): a random Qwen3
+    of Qwen3-0.6B's shapes made by transformers (no download): (1) our logits against transformers' Qwen3 in fp32
+    and bf16 on a padded batch; (2) the engine's greedy tokens against transformers' greedy decoding of each
+    prompt alone (fp32 must agree in full; bf16's common prefix is reported); (3) bf16 decode tokens/s at batch
+    1, 32 and 64, ours against `generate` on identical work and against the card's HBM roofline (weights + KV
+    read once per step); (4) where flash-attn decodes through a page table, the same engine reading its pages
+    through SDPA; peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
+    (needs out/tiny-sft and out/data from `bash run.sh`'s first two stages, or --model_path / --data_path).
 (p) where our engine spends its time: the split of one generate() into prefill / decode / sampling,
     and torch-profiler top ops inside the decode steps.
 
@@ -55,6 +64,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import json
 import math
 import os
 import platform
@@ -74,9 +84,9 @@ import agent
 import data
 import rollout
 import sandbox
-from common import collate
+from common import collate, read_metrics
 from grpo_roc import policy_loss
-from model import load_model, token_logprobs
+from model import flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
 from sandbox import Result, SandboxPool
 
@@ -904,6 +914,236 @@ def grading(tok, reps, prompts=8, samples=16):
           f"{a:.2f} s, off the decode loop {b:.2f} s: x{a / b:.2f}")
 
 
+# -----------------------------------------------------------------------------
+# (gpu) one prepared command for the first GPU this project is lent
+
+# HBM bandwidth in TB/s by the card's name (the vendors' data sheets), for the decode roofline
+HBM_TBPS = {"H200": 4.8, "H100": 3.35, "H20": 4.0, "A100": 2.0, "MI300X": 5.3, "MI325X": 6.0, "MI250": 3.2}
+
+
+class NoStops:
+    """A random model has no stop tokens: the engine reads only their ids from a tokenizer, and -1 is none."""
+    def convert_tokens_to_ids(self, token):
+        return -1
+
+
+def random_qwen3(path, dry):
+    """A random Qwen3 saved to path (fp32) -> its transformers config. On a GPU Qwen3-0.6B's own shapes
+    (28 layers, width 1024, 16/8 heads of 128, MLP 3072, vocabulary 151,936, tied); --cpu: a toy.
+    The (tied) embedding is scaled x40 so logits are peaked (std ~25) and greedy argmax is not decided by
+    near-ties that rounding could flip."""
+    shapes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16) if dry else \
+        dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+             num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+    cfg = transformers.Qwen3Config(**shapes, max_position_embeddings=4096, tie_word_embeddings=True,
+                                   rope_theta=1e6, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cpu" if dry else "cuda"):  # 0.6B random weights are made in a second on the card
+        hf = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(40.0)
+    hf.save_pretrained(path)
+    return cfg
+
+
+def gpu_logits(path, dev, lens=(100, 37, 64, 5)):
+    """1. our model against transformers' Qwen3 on a right-padded batch, fp32 and bf16: the largest logit
+    difference over real tokens, and how many of their argmaxes agree"""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (len(lens), max(lens)), generator=g)  # ids < 512 exist in every vocabulary
+    mask = (torch.arange(max(lens)) < torch.tensor(lens)[:, None]).long()
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+        ours = load_model(path, dev, dtype).eval()
+        with torch.no_grad():
+            a = theirs(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float()[mask.bool().to(dev)]
+            b = ours(ids.to(dev), attention_mask=mask.to(dev)).float()[mask.bool().to(dev)]
+        res[str(dtype).removeprefix("torch.")] = dict(
+            max_abs_diff=(a - b).abs().max().item(), logit_std=a.std().item(),
+            argmax_agree=(a.argmax(-1) == b.argmax(-1)).float().mean().item())
+        del theirs, ours, a, b
+    return res
+
+
+def gpu_greedy(path, dev, dry, dtype, n_prompts, new):
+    """2. the engine's greedy tokens against transformers' greedy decoding of each prompt alone: prompts
+    identical in full, and the mean length of the common prefix (bf16 rounds differently on each side, so
+    a late divergence there is rounding, not a bug; fp32 must agree)"""
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(4, 24 if dry else 200, (n_prompts,), generator=g)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in lengths]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    ours = load_model(path, dev, dtype).eval()
+    max_len = max(map(len, prompts)) + new + 1
+    engine = Engine(ours, NoStops(), kv_capacity=len(prompts) * max_len, max_len=max_len, max_rows=len(prompts))
+    mine = engine.generate(prompts, new)
+    same, prefix = 0, []
+    for p, out in zip(prompts, mine):
+        with torch.no_grad():
+            ref = theirs.generate(input_ids=torch.tensor([p], device=dev), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        same += out == ref
+        prefix.append(next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), new))
+    del theirs, ours, engine
+    return dict(prompts=n_prompts, new_tokens=new, identical=same, mean_common_prefix=statistics.mean(prefix))
+
+
+def gpu_decode(path, dev, dry, batches, prompt_len, new, hbm, sync):
+    """3-4. bf16 decode speed at each batch: ours (Engine.generate) against transformers' generate on the same
+    prompts (equal lengths, no padding, no stop: identical work), decode alone (a run of `new` tokens less a run
+    of 1, the prefill), against the HBM roofline: a decode step reads every weight once and each row's KV.
+    Where flash-attn decodes through a page table, the same engine again with the KV read through SDPA."""
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+    ours = load_model(path, dev, torch.bfloat16).eval()
+    c = ours.cfg
+    weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for B in batches:
+        prompts = [torch.randint(0, 512, (prompt_len,), generator=g).tolist() for _ in range(B)]
+        ids = torch.tensor(prompts, device=dev)
+        engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1), max_len=prompt_len + new + 1,
+                        max_rows=B)
+
+        def timed(fn):
+            def run():
+                fn()
+                sync()
+            return run
+
+        @torch.no_grad()
+        def run_hf(n):
+            theirs.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+
+        sides = {"ours": lambda n: engine.generate(prompts, n), "transformers": run_hf}
+        if engine.cache.flash:  # the same engine, its pages read through SDPA instead of flash-attn's kernel
+            sdpa_engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1),
+                                 max_len=prompt_len + new + 1, max_rows=B)
+            sdpa_engine.cache.flash = False
+            sides["ours, SDPA pages"] = lambda n: sdpa_engine.generate(prompts, n)
+        for fn in sides.values():
+            fn(2)  # warm-up
+        fns = [timed(lambda fn=fn, n=n: fn(n)) for fn in sides.values() for n in (new, 1)]
+        times, rounds = medians(fns, 1 if dry else 2)
+        # a decode step reads the weights once and, per row, the KV of its context (mean over the run)
+        step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
+        roofline = B * hbm * 1e12 / step_bytes if hbm else None
+        for i, side in enumerate(sides):
+            full, prefill = times[2 * i], times[2 * i + 1]
+            decode_s = max(full - prefill, 1e-9)
+            tok_s = B * (new - 1) / decode_s
+            rows.append(dict(batch=B, side=side, run_s=full, prefill_s=prefill, ms_per_step=1e3 * decode_s / (new - 1),
+                             decode_tok_s=tok_s, roofline_tok_s=roofline,
+                             roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds))
+        del engine
+    del theirs, ours
+    return rows
+
+
+def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
+    """5. a few RL steps of the tiny config through train_rl.py itself (bf16 on the GPU), from its metrics"""
+    if not (os.path.isdir(model_path) and os.path.isfile(data_path)):
+        return {"skipped": f"no model at {model_path} or data at {data_path}: make them with `python data.py prepare` "
+                           f"and `python train_sft.py configs/tiny_sft.py`, or pass --model_path / --data_path"}
+    with tempfile.TemporaryDirectory() as run_dir:
+        args = [sys.executable, "train_rl.py", "configs/tiny_rl.py", f"--model_path={model_path}",
+                f"--data_path={data_path}", f"--run_dir={run_dir}", f"--steps={steps}", f"--tool_isolation={isolation}",
+                "--save_every=1000", "--dump_every=0", "--kv_capacity=65536",
+                f"--dtype={'float32' if dry else 'bfloat16'}"]
+        if dry:
+            args += ["--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
+                     "--max_response_tokens=64", "--tool_workers=1"]
+        t0 = time.perf_counter()
+        p = subprocess.run(args, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            return {"failed": f"rc {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+        keys = ("reward", "kept", "grad_norm", "response_len", "tool_calls", "t_rollout", "t_train", "tok_per_s")
+        return {"wall_s": wall, "steps": [{k: m.get(k) for k in keys} for m in read_metrics(run_dir)]}
+
+
+def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path):
+    """Everything a first GPU should tell us, in one command, well under 10 minutes; --cpu dry-runs it."""
+    assert dry or torch.cuda.is_available(), "no GPU visible to torch: run `python bench.py gpu --cpu` for the dry run"
+    dev = "cpu" if dry else "cuda"
+    sync = (lambda: None) if dry else torch.cuda.synchronize
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    name = "cpu (dry run)" if dry else torch.cuda.get_device_name()
+    hbm = hbm_tbps or next((v for k, v in sorted(HBM_TBPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+    report = dict(device=name, torch=torch.__version__, transformers=transformers.__version__, hbm_tbps=hbm,
+                  flash_attn=flash_attn_with_kvcache is not None, load=load())
+    print(f"(gpu) {name} | torch {torch.__version__} | transformers {transformers.__version__} | HBM "
+          f"{hbm or '?'} TB/s | flash-attn {'yes' if report['flash_attn'] else 'not installed: SDPA only'}", flush=True)
+    peak = {}
+
+    def section(key, fn, *args):
+        t0 = time.perf_counter()
+        if not dry:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        report[key] = fn(*args)
+        if not dry:
+            peak[key] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"  {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    with tempfile.TemporaryDirectory() as path:
+        cfg = random_qwen3(path, dry)
+        report["model"] = dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
+                               params_m=sum(p.numel() for p in load_model(path, "meta").parameters()) / 1e6)
+        section("logits", gpu_logits, path, dev)
+        section("greedy_fp32", gpu_greedy, path, dev, dry, torch.float32, 4 if dry else 12, 8 if dry else 64)
+        section("greedy_bf16", gpu_greedy, path, dev, dry, torch.bfloat16, 4 if dry else 8, 8 if dry else 64)
+        section("decode", gpu_decode, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64), 16 if dry else 128,
+                8 if dry else 256, hbm, sync)
+    section("rl", gpu_rl_steps, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
+    report["peak_gib"] = peak
+    # the table
+    m = report["model"]
+    print(f"\nrandom Qwen3 {m['params_m']:.1f}M params ({m['layers']} layers, width {m['hidden']}, vocabulary {m['vocab']})")
+    for dtype, r in report["logits"].items():
+        print(f"1. logits {dtype:<8} vs transformers: max |diff| {r['max_abs_diff']:.2e} (logit std "
+              f"{r['logit_std']:.1f}), argmax agrees on {100 * r['argmax_agree']:.1f}% of tokens")
+    for key in ("greedy_fp32", "greedy_bf16"):
+        r = report[key]
+        print(f"2. {key}: {r['identical']}/{r['prompts']} prompts token-identical to transformers' greedy over "
+              f"{r['new_tokens']} tokens (mean common prefix {r['mean_common_prefix']:.1f})")
+    print(f"3. bf16 decode, {'16' if dry else '128'}-token prompts, decode steps alone:")
+    print(f"   {'batch':>5} {'side':<17} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'prefill s':>9}")
+    for r in report["decode"]:
+        pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
+        print(f"   {r['batch']:>5} {r['side']:<17} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
+              f"{r['prefill_s']:>9.3f}")
+    for B in sorted({r["batch"] for r in report["decode"]}):
+        by = {r["side"]: r for r in report["decode"] if r["batch"] == B}
+        ratio = by["ours"]["decode_tok_s"] / by["transformers"]["decode_tok_s"]
+        flash_vs = (f", paged flash-attn / SDPA pages x{by['ours']['decode_tok_s'] / by['ours, SDPA pages']['decode_tok_s']:.2f}"
+                    if "ours, SDPA pages" in by else "")
+        print(f"   batch {B}: ours / transformers x{ratio:.2f}{flash_vs}")
+    if not report["flash_attn"]:
+        print("4. paged flash-attn vs SDPA: not measured, flash-attn is not installed here")
+    rl = report["rl"]
+    if "steps" in rl:
+        for i, s in enumerate(rl["steps"], 1):
+            print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm']:.2f} | "
+                  f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
+                  f"train {s['t_train']:.2f} s")
+        print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included)")
+    else:
+        print(f"5. RL steps: {rl}")
+    if peak:
+        print("peak GPU memory (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {out_path}")
+    return 0 if "failed" not in rl else 1
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
     ap.add_argument("sections", nargs="*", default=["a", "l", "b", "k", "c"],
@@ -914,7 +1154,16 @@ if __name__ == "__main__":
                     help="(c) without (a): the share of the bound to simulate with (default: measure it)")
     ap.add_argument("--isolation", default="auto", help="sandbox: auto, bwrap, unshare or none")
     ap.add_argument("--per_rank", type=int, default=1024, help="scale: trajectories per rank")
+    ap.add_argument("--cpu", action="store_true", help="gpu: dry run on the CPU at toy sizes")
+    ap.add_argument("--hbm_tbps", type=float, default=None, help="gpu: HBM TB/s (default: from the card's name)")
+    ap.add_argument("--model_path", default="out/tiny-sft", help="gpu: the model of the RL steps")
+    ap.add_argument("--data_path", default="out/data/train.jsonl", help="gpu: the prompts of the RL steps")
+    ap.add_argument("--rl_steps", type=int, default=5, help="gpu: RL steps of configs/tiny_rl.py")
+    ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
     args = ap.parse_args()
+    if args.sections == ["gpu"]:
+        sys.exit(gpu_bench(args.cpu, args.hbm_tbps, args.model_path, args.data_path, args.rl_steps, args.isolation,
+                           args.out))
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
     if args.sections == ["mem"]:

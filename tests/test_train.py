@@ -139,3 +139,19 @@ def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
                   f"--data_mix=[('{sft_bad}', 'rstar2', 1.0)]",
                   f"--out_dir={tmp_path}/y", check=False)
         assert out.returncode != 0 and f"{sft_bad}:2:" in out.stderr, (name, out.stderr[-500:])
+
+
+def test_the_gpu_bench_dry_runs_on_the_cpu(sft, tmp_path):
+    """`python bench.py gpu` is the prepared command for the first GPU this project is lent; its --cpu dry run
+    goes through every section at toy sizes (model and greedy tokens against transformers, decode speed, RL
+    steps through train_rl.py), so it is known to run before a GPU exists."""
+    run("bench.py", "gpu", "--cpu", f"--model_path={sft}/sft", f"--data_path={sft}/data/rl.jsonl",
+        f"--out={tmp_path}/gpu.json")
+    with open(tmp_path / "gpu.json") as f:
+        report = json.load(f)
+    assert report["logits"]["float32"]["max_abs_diff"] < 1e-4
+    assert report["greedy_fp32"]["identical"] == report["greedy_fp32"]["prompts"] == 4
+    assert {r["side"] for r in report["decode"]} == {"ours", "transformers"}
+    assert [r["batch"] for r in report["decode"]] == [1, 1, 2, 2, 4, 4]
+    (step,) = report["rl"]["steps"]
+    assert 0 <= step["reward"] <= 1 and step["t_rollout"] > 0
