@@ -64,6 +64,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -74,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import types
 
 import torch
@@ -1028,7 +1030,7 @@ def gpu_decode(path, dev, dry, batches, prompt_len, new, hbm, sync):
         for fn in sides.values():
             fn(2)  # warm-up
         fns = [timed(lambda fn=fn, n=n: fn(n)) for fn in sides.values() for n in (new, 1)]
-        times, rounds = medians(fns, 1 if dry else 2)
+        times, rounds = medians(fns, 1)  # 1 to 3 rounds: a GPU's timings hardly move
         # a decode step reads the weights once and, per row, the KV of its context (mean over the run)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None
@@ -1058,7 +1060,8 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
             args += ["--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
                      "--max_response_tokens=64", "--tool_workers=1"]
         t0 = time.perf_counter()
-        p = subprocess.run(args, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+        p = subprocess.run(args, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                           timeout=600)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             return {"failed": f"rc {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
@@ -1066,7 +1069,7 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
         return {"wall_s": wall, "steps": [{k: m.get(k) for k in keys} for m in read_metrics(run_dir)]}
 
 
-def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path):
+def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts):
     """Everything a first GPU should tell us, in one command, well under 10 minutes; --cpu dry-runs it."""
     assert dry or torch.cuda.is_available(), "no GPU visible to torch: run `python bench.py gpu --cpu` for the dry run"
     dev = "cpu" if dry else "cuda"
@@ -1079,69 +1082,88 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
                   flash_attn=flash_attn_with_kvcache is not None, load=load())
     print(f"(gpu) {name} | torch {torch.__version__} | transformers {transformers.__version__} | HBM "
           f"{hbm or '?'} TB/s | flash-attn {'yes' if report['flash_attn'] else 'not installed: SDPA only'}", flush=True)
-    peak = {}
+    failed = []
 
-    def section(key, fn, *args):
+    def section(key, fn, show, *args):
+        """run one part, print its lines as soon as it ends; a part that raises is reported and the next runs"""
+        if parts and key not in parts:
+            return
         t0 = time.perf_counter()
         if not dry:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        report[key] = fn(*args)
+        try:
+            report[key] = fn(*args)
+            show(report[key])
+        except Exception as e:  # noqa: BLE001 (one command on a lent GPU: every part that can run, runs)
+            report[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            failed.append(key)
+            print(report[key]["traceback"], flush=True)
         if not dry:
-            peak[key] = torch.cuda.max_memory_allocated() / 2**30
-        print(f"  {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            report.setdefault("peak_gib", {})[key] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"   ({key}: {time.perf_counter() - t0:.0f} s"
+              + (f", peak GPU memory {report['peak_gib'][key]:.1f} GiB)" if not dry else ")"), flush=True)
 
     with tempfile.TemporaryDirectory() as path:
         cfg = random_qwen3(path, dry)
+        params = sum(p.numel() for p in load_model(path, "meta").parameters())
         report["model"] = dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
-                               params_m=sum(p.numel() for p in load_model(path, "meta").parameters()) / 1e6)
-        section("logits", gpu_logits, path, dev)
-        section("greedy_fp32", gpu_greedy, path, dev, dry, torch.float32, 4 if dry else 12, 8 if dry else 64)
-        section("greedy_bf16", gpu_greedy, path, dev, dry, torch.bfloat16, 4 if dry else 8, 8 if dry else 64)
-        section("decode", gpu_decode, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64), 16 if dry else 128,
-                8 if dry else 256, hbm, sync)
-    section("rl", gpu_rl_steps, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
-    report["peak_gib"] = peak
-    # the table
-    m = report["model"]
-    print(f"\nrandom Qwen3 {m['params_m']:.1f}M params ({m['layers']} layers, width {m['hidden']}, vocabulary {m['vocab']})")
-    for dtype, r in report["logits"].items():
-        print(f"1. logits {dtype:<8} vs transformers: max |diff| {r['max_abs_diff']:.2e} (logit std "
-              f"{r['logit_std']:.1f}), argmax agrees on {100 * r['argmax_agree']:.1f}% of tokens")
-    for key in ("greedy_fp32", "greedy_bf16"):
-        r = report[key]
-        print(f"2. {key}: {r['identical']}/{r['prompts']} prompts token-identical to transformers' greedy over "
-              f"{r['new_tokens']} tokens (mean common prefix {r['mean_common_prefix']:.1f})")
-    print(f"3. bf16 decode, {'16' if dry else '128'}-token prompts, decode steps alone:")
-    print(f"   {'batch':>5} {'side':<17} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'prefill s':>9}")
-    for r in report["decode"]:
-        pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
-        print(f"   {r['batch']:>5} {r['side']:<17} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
-              f"{r['prefill_s']:>9.3f}")
-    for B in sorted({r["batch"] for r in report["decode"]}):
-        by = {r["side"]: r for r in report["decode"] if r["batch"] == B}
-        ratio = by["ours"]["decode_tok_s"] / by["transformers"]["decode_tok_s"]
-        flash_vs = (f", paged flash-attn / SDPA pages x{by['ours']['decode_tok_s'] / by['ours, SDPA pages']['decode_tok_s']:.2f}"
-                    if "ours, SDPA pages" in by else "")
-        print(f"   batch {B}: ours / transformers x{ratio:.2f}{flash_vs}")
-    if not report["flash_attn"]:
-        print("4. paged flash-attn vs SDPA: not measured, flash-attn is not installed here")
-    rl = report["rl"]
-    if "steps" in rl:
-        for i, s in enumerate(rl["steps"], 1):
-            print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm']:.2f} | "
-                  f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
-                  f"train {s['t_train']:.2f} s")
-        print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included)")
-    else:
-        print(f"5. RL steps: {rl}")
-    if peak:
-        print("peak GPU memory (GiB): " + ", ".join(f"{k} {v:.1f}" for k, v in peak.items()))
+                               params=params)
+        print(f"random Qwen3 of {params / 1e6:.1f}M params ({cfg.num_hidden_layers} layers, width {cfg.hidden_size}, "
+              f"vocabulary {cfg.vocab_size})", flush=True)
+        section("logits", gpu_logits, print_gpu_logits, path, dev)
+        for key, dtype, n in (("greedy_fp32", torch.float32, 8), ("greedy_bf16", torch.bfloat16, 8)):
+            section(key, gpu_greedy, functools.partial(print_gpu_greedy, key), path, dev, dry, dtype,
+                    4 if dry else n, 8 if dry else 64)
+        section("decode", gpu_decode, functools.partial(print_gpu_decode, report["flash_attn"]), path, dev, dry,
+                (1, 2, 4) if dry else (1, 32, 64), 16 if dry else 128, 8 if dry else 128, hbm, sync)
+    section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {out_path}")
-    return 0 if "failed" not in rl else 1
+    print(f"wrote {out_path}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def print_gpu_logits(res):
+    for dtype, r in res.items():
+        print(f"1. logits {dtype:<8} vs transformers: max |diff| {r['max_abs_diff']:.2e} (logit std "
+              f"{r['logit_std']:.1f}), argmax agrees on {100 * r['argmax_agree']:.1f}% of tokens")
+
+
+def print_gpu_greedy(key, r):
+    print(f"2. {key}: {r['identical']}/{r['prompts']} prompts token-identical to transformers' greedy over "
+          f"{r['new_tokens']} tokens (mean common prefix {r['mean_common_prefix']:.1f})")
+
+
+def print_gpu_decode(flash, rows):
+    print("3. bf16 decode steps alone (a run of N new tokens less a run of 1):")
+    print(f"   {'batch':>5} {'side':<17} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'prefill s':>9}")
+    for r in rows:
+        pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
+        print(f"   {r['batch']:>5} {r['side']:<17} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
+              f"{r['prefill_s']:>9.3f}")
+    for B in sorted({r["batch"] for r in rows}):
+        by = {r["side"]: r for r in rows if r["batch"] == B}
+        flash_vs = (f", paged flash-attn / SDPA pages x{by['ours']['decode_tok_s'] / by['ours, SDPA pages']['decode_tok_s']:.2f}"
+                    if "ours, SDPA pages" in by else "")
+        print(f"   batch {B}: ours / transformers x{by['ours']['decode_tok_s'] / by['transformers']['decode_tok_s']:.2f}"
+              f"{flash_vs}")
+    if not flash:
+        print("4. paged flash-attn vs SDPA: not measured, flash-attn is not installed here")
+
+
+def print_gpu_rl(rl):
+    if "steps" not in rl:
+        print(f"5. RL steps: {rl}")
+        if "failed" in rl:
+            raise RuntimeError(f"train_rl.py failed ({rl['failed']})")
+        return
+    for i, s in enumerate(rl["steps"], 1):
+        print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm']:.2f} | "
+              f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
+              f"train {s['t_train']:.2f} s")
+    print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included)")
 
 
 if __name__ == "__main__":
@@ -1160,10 +1182,12 @@ if __name__ == "__main__":
     ap.add_argument("--data_path", default="out/data/train.jsonl", help="gpu: the prompts of the RL steps")
     ap.add_argument("--rl_steps", type=int, default=5, help="gpu: RL steps of configs/tiny_rl.py")
     ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
+    ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
+                    "greedy_bf16, decode, rl); default all")
     args = ap.parse_args()
     if args.sections == ["gpu"]:
         sys.exit(gpu_bench(args.cpu, args.hbm_tbps, args.model_path, args.data_path, args.rl_steps, args.isolation,
-                           args.out))
+                           args.out, set(filter(None, args.parts.split(",")))))
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
     if args.sections == ["mem"]:

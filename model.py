@@ -174,7 +174,8 @@ def sdpa(q, k, v, mask):
     # the cache when decoding), never repeated per head
     q = q.reshape(B, k.shape[1], rep * T, hd)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, rep, 1)[:, None])
-    return y.view(B, H, T, hd)
+    # reshape, not view: CUDA's kernels may return y in another memory layout (found on the first GPU)
+    return y.reshape(B, H, T, hd)
 
 
 def attend(q, k, v, att, layer_idx):

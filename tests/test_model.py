@@ -446,3 +446,22 @@ def test_paged_flash_is_tried_once_and_falls_back_to_sdpa(monkeypatch, capsys):
     monkeypatch.setattr(model, "flash_attn_with_kvcache", lambda *a, **k: None)
     assert model.paged_flash("cpu", torch.bfloat16)
     model.paged_flash.cache_clear()
+
+
+def test_sdpa_takes_whatever_memory_layout_the_kernel_returns(monkeypatch):
+    """On the first GPU, fp32 attention with a mask raised in model.sdpa: CUDA's SDPA kernels can return the
+    (B, Hkv, rep*T, hd) output laid out as (B, rep*T, Hkv, hd), and unfolding the query heads assumed a
+    contiguous result (.view). A CPU kernel returning that layout must give the same values."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 5, 8, generator=g) for heads in (6, 2, 2))  # GQA 3:1, 5 queries
+    mask = torch.rand(2, 5, 5, generator=g) < 0.7
+    mask[..., 0] = True  # every query sees a key
+    expected = model_module.sdpa(q, k, v, mask)
+    kernel = F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        y = kernel(*args, **kwargs)
+        return y.transpose(1, 2).contiguous().transpose(1, 2)  # same values, heads-inner memory layout
+
+    monkeypatch.setattr(model_module.F, "scaled_dot_product_attention", cuda_layout)
+    assert torch.equal(model_module.sdpa(q, k, v, mask), expected)
