@@ -237,7 +237,9 @@ def test_convert_reports_bad_rows_with_file_and_row(tmp_path):
         data.convert([str(bad_parquet)], str(tmp_path / "o.jsonl"))
     cases = [({"text": "Q", "answer": "1"}, "no question"), ({"question": "", "answer": "1"}, "question must be"),
              ({"question": "Q", "answer": 1.5}, "answer must be"), ({"question": "Q", "answer": True}, "answer must be"),
-             ({"prompt": "Q", "reward_model": {"ground_truth": "1"}}, "list of chat messages"),
+             ({"prompt": 7, "reward_model": {"ground_truth": "1"}}, "a string or a list of chat messages"),
+             ({"prompt": [{"role": "system", "content": "Q"}], "reward_model": {"ground_truth": "1"}}, "with a user message"),
+             ({"problem": "Q", "solution": "a worked solution, not the answer"}, "no answer"),
              ({"prompt": [{"role": "user", "content": "Q"}], "reward_model": {}}, "no answer")]
     for row, msg in cases:
         with pytest.raises(ValueError, match=msg):
