@@ -1,7 +1,8 @@
 """`python data.py rl-set` (the paper's RL data recipe, §4.2) on hand-made rows of each public source's layout
 (tests/fixtures/rl/): each layout read right, JSONL and parquet; each integer spelling kept or dropped as the
 docstring says; exact and whitespace duplicates removed; a problem sharing one 8-gram with a benchmark problem
-dropped, one sharing a 7-gram kept; the counts printed; bad rows named by file and row."""
+dropped, one sharing a 7-gram kept; the counts printed; bad rows named by file and row. And the label check's
+keep rule (eval.keep_by_correct) on scripted trajectories, next to stage 3's."""
 
 import json
 import os
@@ -15,8 +16,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import agent
 import data
+import eval as ev
 from common import read_jsonl
+from rollout import Trajectory
+from scheduler import summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = Path(__file__).resolve().parent / "fixtures" / "rl"
@@ -152,3 +157,28 @@ def test_command_line_and_bad_rows(tmp_path):
     pq.write_table(pa.table({"text": ["P"], "label": ["1"]}), tmp_path / "other.parquet")
     p = run("o.jsonl", "--from", "other.parquet", "--decontaminate", *BENCH)
     assert p.returncode == 1 and "other.parquet: none of the columns" in p.stderr and "'text', 'label'" in p.stderr
+
+
+# ----------------------------------------------------------------------------- the label check's keep rule
+
+def graded(problem, sample, gold, answer):
+    text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
+    t = Trajectory(key=(0, problem, sample), prompt_ids=[1], response_ids=[5] * 4, mask=[1] * 4, tool_calls=[],
+                   turns=1, finish="stop", meta={"answer": gold})
+    t.meta.update(reward=agent.reward(text, gold), pred=agent.extract_answer(text))
+    return summarize(t)
+
+
+def test_keep_rule_label_check_and_stage3_on_scripted_samples():
+    # 5 problems x 4 samples with 0, 1, 2, 3, 4 right answers (a wrong one, or no answer at all)
+    problems = [{"question": f"Q{i}", "answer": str(10 + i), "source": "s"} for i in range(5)]
+    groups = [[graded(i, j, p["answer"], p["answer"] if j < i else (None if j % 2 else "0")) for j in range(4)]
+              for i, p in enumerate(problems)]
+    _, per_problem = ev.metrics(groups)
+    assert [p["correct"] for p in per_problem] == [0, 1, 2, 3, 4]
+    # the label check: at least N of k right; N = 2 as the paper's "at least twice"
+    assert ev.keep_by_correct(problems, per_problem, 2, 4) == problems[2:]
+    assert ev.keep_by_correct(problems, per_problem, 1, 4) == problems[1:]
+    assert ev.keep_by_correct(problems, per_problem, 4, 4) == problems[4:]
+    # stage 3: pass rate < 1
+    assert ev.keep_by_correct(problems, per_problem, 0, 3) == problems[:4]
