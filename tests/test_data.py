@@ -21,7 +21,7 @@ import sympy
 
 import agent
 import data
-from common import read_jsonl
+from common import read_jsonl, write_jsonl as common_write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_make_problems():
 def test_jsonl_roundtrip_and_errors(tmp_path):
     rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "√?", "answer": "-4", "extra": [1]}]
     path = tmp_path / "d.jsonl"
-    data.write_jsonl(str(path), rows)
+    common_write_jsonl(str(path), rows)
     assert read_jsonl(str(path)) == rows
     bad = {
         '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be a string",

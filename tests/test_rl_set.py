@@ -159,6 +159,15 @@ def test_command_line_and_bad_rows(tmp_path):
     assert p.returncode == 1 and "other.parquet: none of the columns" in p.stderr and "'text', 'label'" in p.stderr
 
 
+def test_synthetic_set_at_one_percent_counts_as_planted(tmp_path):
+    # tests/rl_set_scale.py's data (the README's time and memory) at 1%: every filter's count is what was
+    # planted: labels in each spelling, copies, 8- and 7-word runs of benchmark problems
+    import rl_set_scale
+    sources, benchmarks, planted = rl_set_scale.make(str(tmp_path), scale=0.01)
+    assert planted["shares an 8-gram with a benchmark"] > 0 and planted["duplicate up to whitespace"] > 0
+    assert data.rl_set(sources, benchmarks, str(tmp_path / "rl.jsonl")) == planted
+
+
 # ----------------------------------------------------------------------------- the label check's keep rule
 
 def graded(problem, sample, gold, answer):
