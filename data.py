@@ -330,11 +330,13 @@ def read_rows(path):
     elif path.endswith((".jsonl", ".json")):
         with open(path, encoding="utf-8") as f:
             for row_number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield row_number, json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{row_number}: not valid JSON ({e})") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{row_number}: not valid JSON ({e})") from None
+                yield row_number, row
     else:
         raise ValueError(f"{path}: expected a .parquet or .jsonl file")
 
@@ -404,6 +406,8 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
     The candidates stream through (memory: the benchmark grams and one 64-bit hash per kept question, not
     the rows). Returns the counts {filter: problems it removed, ...} and prints them.
     """
+    if os.path.abspath(out_path) in {os.path.abspath(path) for path in in_paths + bench_paths}:
+        raise ValueError(f"{out_path}: the output is also an input; writing it would erase it")
     # 1. every n-gram of every benchmark problem, hashed
     bench_grams, n_bench = set(), 0
     for path in bench_paths:
@@ -416,7 +420,7 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
     read, kept = {}, {}  # per source file
     seen_exact, seen_spaced = set(), set()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w", encoding="utf-8") as out:
+    with open(out_path + ".part", "w", encoding="utf-8") as out:  # renamed when complete: a bad row leaves no OUT
         for path in in_paths:
             source = os.path.basename(path)
             read[source], kept[source] = read.get(source, 0), kept.get(source, 0)
@@ -443,6 +447,7 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
                 kept[source] += 1
                 out.write(json.dumps({"question": question, "answer": answer, "source": source, **row_id(row)},
                                      ensure_ascii=False) + "\n")
+    os.replace(out_path + ".part", out_path)
     # 3. what each filter removed
     total_read, total_kept = sum(read.values()), sum(kept.values())
     print(f"rl-set: {total_read} candidates from {len(in_paths)} file(s); {n_bench} benchmark problems "

@@ -146,12 +146,16 @@ def test_command_line_and_bad_rows(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"problem": "P", "expected_answer": "1"}\n\n{"problem": "Q", "solution": "s"}\n')
     p = run("o.jsonl", "--from", "bad.jsonl", "--decontaminate", *BENCH)
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("rl-set error: bad.jsonl:3: no answer")
+    assert not (tmp_path / "o.jsonl").exists()  # no half-written output
     (tmp_path / "bench_bad.jsonl").write_text('{"problem": "P", "answer": "1"}\n{"problem": 7, "answer": "1"}\n')
     p = run("o.jsonl", "--from", *SOURCES, "--decontaminate", "bench_bad.jsonl")
     assert p.returncode == 1 and "rl-set error: bench_bad.jsonl:2: the question must be a non-empty string" in p.stderr
     (tmp_path / "broken.jsonl").write_text('{"problem": "P", "answer": "1"}\n{oops\n')
     p = run("o.jsonl", "--from", "broken.jsonl", "--decontaminate", *BENCH)
     assert p.returncode == 1 and "rl-set error: broken.jsonl:2: not valid JSON" in p.stderr
+    p = run(SOURCES[0], "--from", *SOURCES, "--decontaminate", *BENCH)
+    assert p.returncode == 1 and "the output is also an input" in p.stderr
+    assert (tmp_path / SOURCES[0]).read_text() == (RL / SOURCES[0]).read_text()
     p = run("o.jsonl", "--from", *SOURCES)
     assert p.returncode == 2 and "--decontaminate" in p.stderr  # decontamination is not optional
     pq.write_table(pa.table({"text": ["P"], "label": ["1"]}), tmp_path / "other.parquet")
