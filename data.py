@@ -31,6 +31,28 @@ It reads parquet or JSONL rows in these layouts:
   prompt (chat messages) + reward_model.ground_truth   the rStar2-Agent repo's preprocessed parquet
 Integer answers become strings; an `id` / `unique_id` / `problem_idx` column is kept as "id". A bad row
 stops the conversion with "file:row: what is wrong" (rows counted from 1, = the line in JSONL).
+
+And it builds the paper's RL problem set (§4.2) from the public sources you downloaded:
+
+    python data.py rl-set OUT.jsonl --from SRC.parquet [SRC2.jsonl ...] --decontaminate BENCH.jsonl [...]
+
+It reads, besides the layouts above (the rStar2 parquet's layout is also DAPO-Math-17k's original one):
+  prompt (a string) + solution (+ reward_model ...)   open-r1/DAPO-Math-17k-Processed (en / all / cn)
+  problem + expected_answer (+ problem_source, ...)   nvidia/OpenMathReasoning (AoPS problems)
+  problem + numerical_answer (+ id, title, ...)       a Project Euler dump (alexandonian/project-euler)
+DAPO's instruction wrapper ("Solve the following math problem step by step. ... after "Answer:".") is taken
+off the question wherever it is there. Parquet files are read one row group at a time and only the columns
+above (not OpenMathReasoning's solutions, one row each), and the candidates stream through. Then, in order:
+  1. integer answers only (rule verifiers cannot match equivalent algebraic forms, paper §4.2); see
+     integer_answer() for which spellings count: 42, -7, +7, 0042, 1,000, 1{,}000, $42$, \boxed{12},
+     12.0 are kept (written 42, -7, 7, 42, 1000, 1000, 42, 12, 12); 12.5, 1/2, 2^{10}, 1,00, 1, 2 and
+     text are dropped;
+  2. duplicates: the same question text as a kept one, exactly, then after collapsing whitespace;
+  3. decontamination: a problem sharing any 8-gram of normalised words (lower case, runs of letters and
+     digits; LaTeX commands and punctuation split words) with any problem of the benchmark files is dropped.
+It prints what each filter removed, and writes {"question", "answer", "source"(, "id")}: what train_rl.py and
+eval.py read, with the source file's name kept. The label check (a problem stays when at least 2 of 16
+answers of a strong model match its label) is a run of eval.py with --keep_solved (README, "RL data").
 """
 
 import argparse
@@ -41,7 +63,6 @@ import re
 import sys
 
 import agent
-from common import write_jsonl
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
@@ -210,6 +231,8 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
     import torch
     import transformers
 
+    from common import write_jsonl  # imports torch: here, so that convert and rl-set start without it
+
     data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(out_dir)), "data")
     # 1. problems: held-out disjoint from train and from the SFT problems
     train = make_problems(n_train, seed, max_digits, max_ops)
@@ -245,8 +268,17 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 # -----------------------------------------------------------------------------
 # the benchmark converter
 
+# the instruction DAPO-Math-17k wraps around every problem (its original rows, and its Processed copies)
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+# the columns any layout reads: a parquet file is read with these only (its other columns can be huge)
+FIELDS = ("question", "problem", "prompt", "answer", "expected_answer", "numerical_answer", "solution",
+          "reward_model", "id", "unique_id", "problem_idx")
+
+
 def convert_row(row):
-    """(question, answer) from one benchmark row in a layout listed in the module docstring; raises ValueError(what)."""
+    """(question, answer) from one row in a layout listed in the module docstring; raises ValueError(what)."""
     if not isinstance(row, dict):
         raise ValueError(f"expected an object, got {type(row).__name__}")
     if "question" in row or "problem" in row:
@@ -254,59 +286,178 @@ def convert_row(row):
     elif "prompt" in row:
         prompt = row["prompt"]
         users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
-            if isinstance(prompt, list) else []
+            if isinstance(prompt, list) else [prompt] if isinstance(prompt, str) else []
         if not users:
-            raise ValueError("'prompt' must be a list of chat messages with a user message")
+            raise ValueError("'prompt' must be a string or a list of chat messages with a user message")
         question = users[-1]
     else:
         raise ValueError(f"no question: expected 'question', 'problem' or 'prompt'; the row has {sorted(row)}")
-    if "answer" in row:
-        answer = row["answer"]
+    answer_keys = [key for key in ("answer", "expected_answer", "numerical_answer") if key in row]
+    if answer_keys:
+        answer = row[answer_keys[0]]
     elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
         answer = row["reward_model"]["ground_truth"]
+    elif isinstance(row.get("prompt"), str) and "solution" in row:  # DAPO-Math-17k-Processed: the answer
+        answer = row["solution"]
     else:
-        raise ValueError(f"no answer: expected 'answer' or 'reward_model.ground_truth'; the row has {sorted(row)}")
+        raise ValueError("no answer: expected 'answer', 'expected_answer', 'numerical_answer', "
+                         f"'reward_model.ground_truth' or (with a string 'prompt') 'solution'; the row has {sorted(row)}")
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"the question must be a non-empty string, got {question!r:.80}")
     if isinstance(answer, int) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError(f"the answer must be a non-empty string or an integer, got {answer!r:.80}")
-    return question.strip(), answer.strip()
+    return question.strip().removeprefix(DAPO_PREFIX).removesuffix(DAPO_SUFFIX).strip(), answer.strip()
+
+
+def read_rows(path):
+    """(row number from 1, row) of a parquet or JSONL file, one at a time; a row that is not JSON raises
+    ValueError("path:row: ..."). Parquet: only the columns in FIELDS, one row group at a time (iter_batches
+    over a whole file held the read columns of all its row groups until the end: 48 MiB for 93K problems)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # only the converters need it
+        table = pq.ParquetFile(path)
+        columns = [name for name in table.schema_arrow.names if name in FIELDS]
+        if not columns:
+            raise ValueError(f"{path}: none of the columns {list(FIELDS)}; it has {table.schema_arrow.names}")
+        row_number = 0
+        for group in range(table.num_row_groups):
+            for batch in table.iter_batches(batch_size=4096, row_groups=[group], columns=columns):
+                for row in batch.to_pylist():
+                    row_number += 1
+                    yield row_number, row
+    elif path.endswith((".jsonl", ".json")):
+        with open(path, encoding="utf-8") as f:
+            for row_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{row_number}: not valid JSON ({e})") from None
+                yield row_number, row
+    else:
+        raise ValueError(f"{path}: expected a .parquet or .jsonl file")
+
+
+def read_problems(path):
+    """(row number, question, answer, row) of every row of a file in a known layout; a bad row raises
+    ValueError("path:row: what is wrong")."""
+    for row_number, row in read_rows(path):
+        try:
+            question, answer = convert_row(row)
+        except ValueError as e:
+            raise ValueError(f"{path}:{row_number}: {e}") from None
+        yield row_number, question, answer, row
+
+
+def row_id(row):
+    """The row's own id column as {"id": ...}, or {}."""
+    ids = [row[key] for key in ("id", "unique_id", "problem_idx") if row.get(key) is not None]
+    return {"id": ids[0]} if ids else {}
 
 
 def convert(in_paths, out_path):
     """Read benchmark rows from parquet / JSONL files and write our {"question", "answer"(, "id")} JSONL."""
     out = []
     for path in in_paths:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq  # only the converter needs it
-            rows = enumerate(pq.read_table(path).to_pylist(), 1)
-        elif path.endswith((".jsonl", ".json")):
-            with open(path) as f:
-                lines = f.read().splitlines()
-            rows = []
-            for n, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        rows.append((n, json.loads(line)))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-        else:
-            raise ValueError(f"{path}: expected a .parquet or .jsonl file")
-        for n, row in rows:
-            try:
-                question, answer = convert_row(row)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-            ids = [row[key] for key in ("id", "unique_id", "problem_idx") if row.get(key) is not None]
-            out.append({"question": question, "answer": answer, **({"id": ids[0]} if ids else {})})
+        for _, question, answer, row in read_problems(path):
+            out.append({"question": question, "answer": answer, **row_id(row)})
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
         for row in out:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return len(out)
 
+
+# -----------------------------------------------------------------------------
+# the RL problem set (paper §4.2): integer answers, no duplicates, no benchmark 8-grams
+
+def integer_answer(answer):
+    """The label as a plain integer string ("0042" -> "42"), or None when it is not an integer. Counted as
+    integers: an optional sign and digits, with thousands commas in groups of three (1,000 or LaTeX's
+    1{,}000 and 1,\\!000), and a decimal point followed by zeros only (12.0); inside $...$ and/or \\boxed{}.
+    Anything else is not: 12.5, 1/2, 2^{10}, 10^3, units, 1,00 and "1, 2" (a list, or a typo: not a label a
+    rule verifier can trust)."""
+    text = answer.strip()
+    if len(text) > 1 and text[0] == text[-1] == "$":
+        text = text[1:-1].strip()
+    if text.startswith("\\boxed{") and text.endswith("}"):
+        text = text[len("\\boxed{"):-1].strip()
+    text = text.replace("{,}", ",").replace(",\\!", ",")
+    match = re.fullmatch(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.0+)?", text)
+    return None if match is None else str(int(match.group(1) + match.group(2).replace(",", "")))
+
+
+def ngram_hashes(text, n=8):
+    """The hashes of every n-gram of the text's normalised words (lower case, runs of letters and digits);
+    a text of fewer than n words is one gram. Python's 64-bit string hashes instead of the grams keep the
+    benchmark set small (38K grams for AIME 24/25 + MATH-500 sized sets); a candidate gram matches an
+    unrelated one with odds 38K / 2^64 ~ 2e-15, ~2e-8 over the 8M grams of 110K candidates."""
+    words = re.findall(r"[^\W_]+", text.lower())
+    return {hash(" ".join(words[i:i + n])) for i in range(max(1, len(words) - n + 1))}
+
+
+def rl_set(in_paths, bench_paths, out_path, n=8):
+    """
+    Build the RL problem set: read the candidates of in_paths in order, keep integer answers, drop
+    duplicates, drop every problem sharing an n-gram with a problem of bench_paths, write out_path.
+    The candidates stream through (memory: the benchmark grams and one 64-bit hash per kept question, not
+    the rows). Returns the counts {filter: problems it removed, ...} and prints them.
+    """
+    if os.path.abspath(out_path) in {os.path.abspath(path) for path in in_paths + bench_paths}:
+        raise ValueError(f"{out_path}: the output is also an input; writing it would erase it")
+    # 1. every n-gram of every benchmark problem, hashed
+    bench_grams, n_bench = set(), 0
+    for path in bench_paths:
+        for _, question, _, _ in read_problems(path):
+            bench_grams |= ngram_hashes(question, n)
+            n_bench += 1
+    # 2. the candidates through the filters, in order; the first of duplicates is kept
+    removed = {"not an integer answer": 0, "exact duplicate": 0, "duplicate up to whitespace": 0,
+               f"shares an {n}-gram with a benchmark": 0}
+    read, kept = {}, {}  # per source file
+    seen_exact, seen_spaced = set(), set()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path + ".part", "w", encoding="utf-8") as out:  # renamed when complete: a bad row leaves no OUT
+        for path in in_paths:
+            source = os.path.basename(path)
+            read[source], kept[source] = read.get(source, 0), kept.get(source, 0)
+            for _, question, answer, row in read_problems(path):
+                read[source] += 1
+                answer = integer_answer(answer)
+                spaced = " ".join(question.split())
+                # each problem is counted by the first filter that drops it
+                if answer is None:
+                    reason = "not an integer answer"
+                elif hash(question) in seen_exact:
+                    reason = "exact duplicate"
+                elif hash(spaced) in seen_spaced:
+                    reason = "duplicate up to whitespace"
+                elif not bench_grams.isdisjoint(ngram_hashes(question, n)):
+                    reason = f"shares an {n}-gram with a benchmark"
+                else:
+                    reason = None
+                if reason:
+                    removed[reason] += 1
+                    continue
+                seen_exact.add(hash(question))
+                seen_spaced.add(hash(spaced))
+                kept[source] += 1
+                out.write(json.dumps({"question": question, "answer": answer, "source": source, **row_id(row)},
+                                     ensure_ascii=False) + "\n")
+    os.replace(out_path + ".part", out_path)
+    # 3. what each filter removed
+    total_read, total_kept = sum(read.values()), sum(kept.values())
+    print(f"rl-set: {total_read} candidates from {len(in_paths)} file(s); {n_bench} benchmark problems "
+          f"({len(bench_grams)} distinct {n}-grams) from {len(bench_paths)} file(s)")
+    for reason, count in removed.items():
+        print(f"  - {reason:<36} {count:>9}")
+    print(f"  = {'kept':<36} {total_kept:>9}  -> {out_path}")
+    for source in read:
+        print(f"    {source}: {read[source]} read, {kept[source]} kept")
+    return {"read": total_read, **removed, "kept": total_kept}
 
 
 if __name__ == "__main__":
@@ -318,6 +469,18 @@ if __name__ == "__main__":
         except (ValueError, OSError) as e:
             sys.exit(f"convert error: {e}")
         print(f"wrote {n} problems to {sys.argv[-1]}")
+        sys.exit(0)
+    if sys.argv[1:2] == ["rl-set"]:
+        parser = argparse.ArgumentParser(prog="python data.py rl-set", description="the RL problem set (paper §4.2): "
+                                         "integer answers, de-duplicated, decontaminated by 8-gram overlap")
+        parser.add_argument("out", help="the JSONL to write")
+        parser.add_argument("--from", dest="sources", nargs="+", required=True, help="candidate files (parquet / JSONL)")
+        parser.add_argument("--decontaminate", nargs="+", required=True, help="benchmark files (parquet / JSONL)")
+        args = parser.parse_args(sys.argv[2:])
+        try:
+            rl_set(args.sources, args.decontaminate, args.out)
+        except (ValueError, OSError) as e:
+            sys.exit(f"rl-set error: {e}")
         sys.exit(0)
     parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
     parser.add_argument("command", choices=["prepare"])

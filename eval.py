@@ -39,7 +39,9 @@ Outputs in out_dir: summary.json, summary.md (the table + one row per problem), 
 trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
 order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
 --keep_unsolved=FILE writes the problems whose pass rate is < 1 (the paper's stage-3 filter: 8 samples,
-drop what the policy always solves). Prompts longer than max_prompt_tokens are then skipped, not an
+drop what the policy always solves). --keep_solved=FILE writes those that at least --keep_min_correct of the k
+samples got right (the paper's label check, §4.2: Qwen3-32B, 16 samples, at least 2 match the label): one
+rule (keep_by_correct), two thresholds. Prompts longer than max_prompt_tokens are then skipped, not an
 error: train_rl.py skips them too, so the filter and training agree on which problems exist.
 
 Sampling is reproducible: every trajectory samples from its own generator seeded from
@@ -190,6 +192,11 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     return summary, per_problem
 
 
+def keep_by_correct(problems, per_problem, fewest, most):
+    """The problems that fewest..most of their samples got right (stage 3: 0..k-1; the label check: N..k)."""
+    return [problems[p["index"]] for p in per_problem if fewest <= p["correct"] <= most]
+
+
 # -----------------------------------------------------------------------------
 # the script
 
@@ -228,6 +235,8 @@ if __name__ == "__main__":
     seed = 0
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
+    keep_solved = ""  # write the problems >= keep_min_correct of whose samples are right (label check, §4.2)
+    keep_min_correct = 2
     save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
     score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
     dtype = "bfloat16"  # "float32" on CPU
@@ -248,6 +257,8 @@ if __name__ == "__main__":
         sys.exit(f"data error: {e}")
     if limit < 0 or samples < 1:
         sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
+    if keep_solved and not 0 <= keep_min_correct <= samples:
+        sys.exit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
     problems = problems[:limit] if limit else problems
     if not problems:
         sys.exit(f"eval error: {data_path} has no problems")
@@ -255,7 +266,7 @@ if __name__ == "__main__":
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
     prompt_ids = [np.asarray(agent.render_prompt(tokenizer, p["question"]), np.int32) for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
-    if too_long and not keep_unsolved:
+    if too_long and not (keep_unsolved or keep_solved):
         sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                  f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
     if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
@@ -336,10 +347,12 @@ if __name__ == "__main__":
                     os.remove(os.path.join(out_dir, f"trajectories.jsonl.{r}"))
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
-        if keep_unsolved:
-            unsolved = [problems[p["index"]] for p in per_problem if p["correct"] < p["samples"]]
-            os.makedirs(os.path.dirname(os.path.abspath(keep_unsolved)), exist_ok=True)
-            with open(keep_unsolved, "w") as f:
-                f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in unsolved)
-            print(f"kept {len(unsolved)} of {len(problems)} problems (pass rate < 1) in {keep_unsolved}")
+        for path, fewest, most, rule in [(keep_unsolved, 0, k - 1, "pass rate < 1"),
+                                         (keep_solved, keep_min_correct, k, f">= {keep_min_correct} of {k} right")]:
+            if path:
+                kept = keep_by_correct(problems, per_problem, fewest, most)
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                with open(path, "w") as f:
+                    f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in kept)
+                print(f"kept {len(kept)} of {len(problems)} problems ({rule}) in {path}")
     compute_cleanup()

@@ -21,7 +21,7 @@ import sympy
 
 import agent
 import data
-from common import read_jsonl
+from common import read_jsonl, write_jsonl as common_write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,7 +74,7 @@ def test_make_problems():
 def test_jsonl_roundtrip_and_errors(tmp_path):
     rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "√?", "answer": "-4", "extra": [1]}]
     path = tmp_path / "d.jsonl"
-    data.write_jsonl(str(path), rows)
+    common_write_jsonl(str(path), rows)
     assert read_jsonl(str(path)) == rows
     bad = {
         '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be a string",
@@ -237,7 +237,9 @@ def test_convert_reports_bad_rows_with_file_and_row(tmp_path):
         data.convert([str(bad_parquet)], str(tmp_path / "o.jsonl"))
     cases = [({"text": "Q", "answer": "1"}, "no question"), ({"question": "", "answer": "1"}, "question must be"),
              ({"question": "Q", "answer": 1.5}, "answer must be"), ({"question": "Q", "answer": True}, "answer must be"),
-             ({"prompt": "Q", "reward_model": {"ground_truth": "1"}}, "list of chat messages"),
+             ({"prompt": 7, "reward_model": {"ground_truth": "1"}}, "a string or a list of chat messages"),
+             ({"prompt": [{"role": "system", "content": "Q"}], "reward_model": {"ground_truth": "1"}}, "with a user message"),
+             ({"problem": "Q", "solution": "a worked solution, not the answer"}, "no answer"),
              ({"prompt": [{"role": "user", "content": "Q"}], "reward_model": {}}, "no answer")]
     for row, msg in cases:
         with pytest.raises(ValueError, match=msg):

@@ -156,7 +156,7 @@ def outputs(out_dir):
     with open(out_dir / "summary.json") as f:
         summary = json.load(f)
     summary.pop("wall_s"), summary.pop("peak_rss_mib")
-    for key in ("out_dir", "keep_unsolved"):
+    for key in ("out_dir", "keep_unsolved", "keep_solved", "keep_min_correct"):
         summary["config"].pop(key)
     # the ranks write their trajectories as they finish: in (group, sample) order, read after a sort
     return summary, sorted(read_out(out_dir / "trajectories.jsonl"), key=lambda t: (t["group"], t["sample"]))
@@ -165,7 +165,8 @@ def outputs(out_dir):
 @pytest.fixture(scope="module")
 def first_run(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_a")
-    p = run_eval(tiny, out, f"--keep_unsolved={out / 'hard.jsonl'}")
+    p = run_eval(tiny, out, f"--keep_unsolved={out / 'hard.jsonl'}", f"--keep_solved={out / 'labelled.jsonl'}",
+                 "--keep_min_correct=1")
     return out, p.stdout
 
 
@@ -191,6 +192,8 @@ def test_script_runs_and_writes_outputs(tiny, first_run):
     assert "| avg@2 |" in md and "| maj@2 |" in md and md.count("/2 |") == 3
     heldout = read_out(tiny / "data" / "heldout.jsonl")
     assert read_out(out / "hard.jsonl") == [heldout[p["index"]] for p in per if p["correct"] < 2]
+    assert read_out(out / "labelled.jsonl") == [heldout[p["index"]] for p in per if p["correct"] >= 1]
+    assert "(pass rate < 1)" in stdout and "(>= 1 of 2 right)" in stdout
 
 
 def test_script_same_numbers_with_same_seed(tiny, first_run, tmp_path):
