@@ -234,12 +234,8 @@ class SandboxPool:
 
     async def run(self, code, stdin="", timeout=None):
         """Run `code` with `stdin`; always returns a Result (never raises for bad code)."""
-        future = self.submit(code, stdin, timeout)
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            future.cancel()  # a queued call nobody waits for is skipped (a started one finishes)
-            raise
+        # cancelling the await cancels the call: one still queued is skipped (a started one finishes)
+        return await asyncio.wrap_future(self.submit(code, stdin, timeout))
 
     def map(self, items, timeout=None):
         """Synchronous helper: items are (code, stdin) pairs or code strings; results in order."""
