@@ -116,6 +116,7 @@ import json
 import os
 import pwd
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -131,8 +132,8 @@ START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (
 # worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces and
 # drop it to the slot's uid; the child itself keeps none of them
 ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID")
-CGROUP_SLACK = 64 << 20  # a call's cgroup holds `memory` plus this: the interpreter pages it dirties, so that a
-#                          single process meets its own limits (MemoryError, a full tmpfs) before the cgroup's
+CGROUP_SLACK = 64 << 20  # a worker's cgroup holds the warm worker, `memory` and this: the interpreter pages a call
+#                          dirties, so that a single process meets its own limits (MemoryError, a full tmpfs) first
 FIRST_UID, UID_BLOCK = 2_000_000_000, 1024  # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
 WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandbox (the view lists it)
 
@@ -212,8 +213,13 @@ class SandboxPool:
         with self._cond:
             while self._queue:
                 self._answer(self._queue.popleft(), "crash", "[sandbox] the pool shut down before this call ran")
-        for path in self._cgroups:  # empty now: every call and worker is gone
-            os.rmdir(path)
+        for path in self._cgroups:  # empty once the last killed worker is gone (a moment after bwrap)
+            for _ in range(200):
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    time.sleep(0.01)
         if self._uid_lock:
             self._uid_lock.close()
 
@@ -266,6 +272,9 @@ class SandboxPool:
         if call[2].set_running_or_notify_cancel():
             call[2].set_result(Result(status, "", stderr, "", time.monotonic() - call[0]))
 
+    def _overloaded(self, call):
+        self._answer(call, "overloaded", f"[sandbox] not started within queue_timeout={self.queue_timeout:g} s")
+
     def _take(self):
         """The next call to run, or None once the pool closes. A call that waited past queue_timeout is answered
         `overloaded` here, when it would have run."""
@@ -274,8 +283,7 @@ class SandboxPool:
                 while self._queue and not self._closed:
                     call = self._queue.popleft()
                     if time.monotonic() - call[0] > self.queue_timeout:
-                        self._answer(call, "overloaded", f"[sandbox] not started within queue_timeout="
-                                                         f"{self.queue_timeout:g} s")
+                        self._overloaded(call)
                     elif call[2].set_running_or_notify_cancel():
                         return call
                 if self._closed:
@@ -304,8 +312,11 @@ class SandboxPool:
                         procs[rich] = None
                         procs[rich] = self._spawn(slot, rich)
             except Exception:
-                # could not restart: back off; queued calls go to other slots or wait
+                # could not restart: back off; queued calls go to other slots, or, when none can take them, are
+                # answered `overloaded` once they have waited queue_timeout (no call waits forever)
                 with self._cond:
+                    while self._queue and time.monotonic() - self._queue[0][0] > self.queue_timeout:
+                        self._overloaded(self._queue.popleft())
                     if self._cond.wait_for(lambda: self._closed, timeout=1.0):
                         break
                 continue
@@ -331,60 +342,65 @@ class SandboxPool:
             _stop(proc, kill=False)
 
     def _spawn(self, slot, rich):
-        cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
-               "view": self._view, "mode": self.mode}
-        cgroup_files = self._cgroup(slot, rich) if os.geteuid() == 0 else []
-        # the worker gets the call cgroup's cgroup.procs files to join (write only) and memory.oom_control (read)
-        fds = [os.open(path, os.O_RDONLY if path.endswith("oom_control") else os.O_WRONLY) for path in cgroup_files]
-        if fds:
-            cfg.update(cgroup_fds=fds[:-1], oom_fd=fds[-1])
-        argv = _wrapper(self.mode, self._view) + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=_worker_env(), pass_fds=fds)
-        except FileNotFoundError:
+        wrapper = _wrapper(self.mode, self._view)
+        if wrapper and not shutil.which(wrapper[0]):
             raise RuntimeError("sandbox: refusing to start: bubblewrap is missing (apt-get install -y bubblewrap; "
                                "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
-                               "host without isolation (trusted code only)") from None
-        finally:
-            for fd in fds:
-                os.close(fd)
+                               "host without isolation (trusted code only)")
+        cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
+               "view": self._view, "mode": self.mode, "oom_fd": None}
+        # where the host lets us, the worker starts in a cgroup of its own (a shell puts itself there, then becomes
+        # bwrap), and so do the calls it forks; it reads the cgroup's count of out-of-memory kills through an fd
+        cgroup, join = self._cgroup() if os.geteuid() == 0 else None, []
+        if cgroup:
+            cfg["oom_fd"] = os.open(os.path.join(cgroup[0], "memory.oom_control"), os.O_RDONLY)
+            join = ["sh", "-c", 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"', "sh",
+                    *[os.path.join(d, "cgroup.procs") for d in cgroup]]
+        argv = join + wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_worker_env(), pass_fds=[cfg["oom_fd"]] if cgroup else [])
+        if cgroup:
+            os.close(cfg["oom_fd"])
         proc.buf = bytearray()
-        os.set_blocking(proc.stdin.fileno(), False)
-        os.set_blocking(proc.stdout.fileno(), False)
         try:
+            os.set_blocking(proc.stdin.fileno(), False)
+            os.set_blocking(proc.stdout.fileno(), False)
             hello = _read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
-        except OSError:
-            hello = None
-        if hello is not None and json.loads(hello).get("ready"):
-            proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
-            return proc
+            if hello is not None and json.loads(hello).get("ready"):
+                proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
+                if cgroup:  # the cap: what the warm worker holds now, plus what one call may add
+                    with open(os.path.join(cgroup[0], "memory.usage_in_bytes")) as f:
+                        cap = int(f.read()) + self.memory + CGROUP_SLACK
+                    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+                        if os.path.exists(os.path.join(cgroup[0], name)):
+                            with open(os.path.join(cgroup[0], name), "w") as f:
+                                f.write(str(cap))
+                return proc
+        except Exception:  # it died (a closed pipe), or its cgroup could not be capped: no half-started worker
+            _stop(proc, kill=True)
+            raise
         _stop(proc, kill=True)
         why = (hello and json.loads(hello).get("error")) or proc.stderr.read().decode(errors="replace").strip()
         proc.stderr.close()
         raise RuntimeError(f"sandbox: worker {slot} failed to start ({why.splitlines()[-1] if why else 'it exited'})")
 
-    def _cgroup(self, slot, rich):
-        """A cgroup (v1, memory and pids) for the calls of one worker, below the pool's own, capped at `memory` and
-        NPROC processes (plus CGROUP_SLACK): the paths its worker needs, or [] where the host does not let us make one."""
+    def _cgroup(self):
+        """A fresh cgroup (v1, memory and pids) for one worker and the calls it forks, below the pool's own, capped
+        at NPROC processes per call (and, once the worker is warm, at its memory plus what a call may add): its
+        memory and pids directories, or None where the host does not let us make them."""
         try:
             with open("/proc/self/cgroup") as f:
                 own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
-            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{slot}-{int(rich)}"
+            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
             dirs = [f"/sys/fs/cgroup/{c}{own[c]}/{name}".replace("//", "/") for c in ("memory", "pids")]
             for d in dirs:
                 os.mkdir(d)
                 self._cgroups.append(d)
-            cap = self.memory + CGROUP_SLACK
-            limits = {"memory.limit_in_bytes": cap, "memory.memsw.limit_in_bytes": cap}
-            for file, value in [*limits.items(), ("pids.max", sandbox_worker.NPROC)]:
-                path = os.path.join(dirs[file.startswith("pids")], file)
-                if os.path.exists(path):
-                    with open(path, "w") as f:
-                        f.write(str(value))
+            with open(os.path.join(dirs[1], "pids.max"), "w") as f:
+                f.write(str(sandbox_worker.NPROC + 3))  # + bwrap, the worker and the call's init
         except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
-            return []
-        return [os.path.join(d, "cgroup.procs") for d in dirs] + [os.path.join(dirs[0], "memory.oom_control")]
+            return None
+        return dirs
 
 
 def _claim_uids(workers):
@@ -408,7 +424,7 @@ def _claim_uids(workers):
         if not any(uid in in_use or _has_account(uid) for uid in range(first, first + workers)):
             return lock, first
         lock.close()
-    raise RuntimeError("sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
+    raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
 
 
 def _has_account(uid):

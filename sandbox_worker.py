@@ -8,10 +8,11 @@ one call at a time over JSON lines on stdin/stdout, and every call starts from n
   2. a pid namespace of its own, held open by an init that does nothing (a clone of the worker that shares its
      memory, so it costs no copy): the code is pid 2 there and cannot name its worker, the trainer or any
      other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
-  3. a forked child that joins the call's cgroup (where the pool could make one: a memory and pids cap on the
-     whole call), takes its rlimits, then a user namespace and an IPC namespace of its own (fresh user and
-     session keyrings; no SysV object or POSIX message queue of anyone else), the slot's uid and no
-     capabilities, and runs the code as the release's harness runs it (_run_as_release);
+  3. a forked child that takes its rlimits, then the slot's uid, a user namespace and an IPC namespace of its own
+     (fresh user and session keyrings; no SysV object or POSIX message queue of anyone else) and no
+     capabilities, and runs the code as the release's harness runs it (_run_as_release); where the pool could
+     make one, the worker's cgroup caps the memory and processes of the whole call, and the call's processes
+     are the first the kernel kills in it;
   4. its output is read until it exits or its deadline passes; killing the init then ends every process the
      call started (a pid namespace dies with its init), and the status is decided (rules in sandbox.py).
 
@@ -343,17 +344,14 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
-        # 1) into the call's cgroup, where the pool made one ("0": this process)
-        for fd in cfg.get("cgroup_fds", ()):
-            os.write(fd, b"0")
-        # 2) a session and limits of its own
+        # 1) a session and limits of its own
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
-        # 3) its own namespaces and uid, no capabilities
+        # 2) its own namespaces and uid, no capabilities
         uid = cfg["uid"]
         if cfg["mode"] != "none":
             _own_namespaces(libc, uid)
@@ -424,6 +422,8 @@ def _own_namespaces(libc, uid):
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
     libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
+    with open("/proc/self/oom_score_adj", "w") as f:  # first in line when the cgroup runs out, never the worker
+        f.write("1000")
     _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
         with open(f"/proc/self/{name}", "w") as f:  # the same uid inside and out
