@@ -34,7 +34,7 @@ How a status is decided (first rule that matches):
     overloaded  the call waited more than `queue_timeout` seconds for a worker (it never ran; it is answered
                 when a worker takes it)
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
-    memory      the call's cgroup went past `memory` and the kernel killed one of its processes
+    memory      the call went past its cgroup's cap and the kernel killed one of its processes
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
@@ -47,7 +47,8 @@ Knobs (keyword arguments; the training configs set them):
                    MAX_EXECUTION_TIME=4); run() can override it
     memory         the memory of one call, capped twice: (1) where the pool may make cgroups (root, cgroup v1
                    memory and pids controllers), all the memory of the call's processes, files, memfds and IPC
-                   together, past which the kernel kills it (status memory); (2) everywhere, each process's address
+                   together, at `memory` + 64 MiB past its warm worker (each worker and its calls have a cgroup),
+                   past which the kernel kills its processes first (status memory); (2) everywhere, each process's address
                    space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it may write
                    and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
                    override. Its limit is on a fresh python3 (+128 MiB for the interpreter) and ours on top of a

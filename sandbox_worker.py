@@ -105,9 +105,10 @@ def main(cfg):
         if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
                            cfg, _vmsize(), libc)
-            if canary["status"] != "ok":  # (the first line of the harness's report is the error)
-                raise RuntimeError(f"code running as uid {cfg['uid']} cannot read the Python installation: "
-                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[0])
+            if canary["status"] != "ok":  # the first line of the harness's report, or the last of a traceback
+                lines = canary["stderr"].strip().splitlines() or [canary["status"]]
+                raise RuntimeError(f"a call (uid {cfg['uid']}) cannot start or read the Python installation: "
+                                   + lines[-1 if lines[0].startswith("Traceback") else 0])
     except Exception as e:
         rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
         rep.flush()
