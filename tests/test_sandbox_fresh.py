@@ -40,7 +40,7 @@ USER_CASES = {
                     "except OSError:\n    pass\nprint('tried')", "ok", "tried\n"), HONEST, HONEST],
     "prlimit_cpu": [("import resource\ntry:\n    resource.prlimit(1, resource.RLIMIT_CPU, (1, 1))\n"
                      "except OSError:\n    pass\nprint('tried')", "ok", "tried\n"), HONEST,
-                    ("import time\nt = time.process_time()\nwhile time.process_time() - t < 1.2: pass\nprint('spun')",
+                    ("import time\nt = time.process_time()\nwhile time.process_time() - t < 1.1: pass\nprint('spun')",
                      "ok", "spun\n"), HONEST],
     # 3. state that outlived its call: a key in the user and session keyrings, a POSIX queue, a file in /tmp
     "keyring": [(f"import ctypes\nlibc = ctypes.CDLL(None)\nfor ring in (-4, -3):  # @u, @s\n"
@@ -63,7 +63,7 @@ USER_CASES = {
 def run_cases(cases):
     """The cases one after the other in one pool of 1 slot: {name: [(status, stdout, stderr), ..., same workers]}."""
     out = {}
-    with SandboxPool(workers=1, timeout=3.0) as pool:
+    with SandboxPool(workers=1, timeout=10.0) as pool:  # (a loaded box stretches the 1.1 s of CPU below)
         for name, calls in cases.items():
             workers = worker_pids()
             out[name] = [(r.status, r.stdout, r.stderr) for r in (pool.map([code])[0] for code, _, _ in calls)]
