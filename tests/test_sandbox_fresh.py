@@ -165,6 +165,31 @@ def test_slot_uids_avoid_host_processes_and_other_pools():
     assert squatted not in uids and uids[0] != uids[1], uids
 
 
+@pytest.mark.skipif(not ROOT, reason="a host process as the slot's uid needs root")
+def test_a_calls_key_reaches_no_host_process_and_no_new_pool():
+    """As root a key a call added to its user keyring was read by a host process running as the slot's uid and
+    by the next pool's calls: now the key lives in the call's own user namespace."""
+    add, find = USER_CASES["keyring"][0][0], USER_CASES["keyring"][1][0]
+    with SandboxPool(workers=1) as pool:
+        added = pool.map([add])[0]
+        uid = getattr(pool, "uids", [65534])[0]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a host process as the slot's uid looks in its own user keyring
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        found = ctypes.CDLL(None).syscall(KEYCTL, 10, -4, b"user", b"nano-probe", 0)
+        os.write(write, str(found).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    host = os.read(read, 100).decode()
+    with SandboxPool(workers=1) as pool:
+        later = pool.map([find])[0]
+    assert (added.status, added.stdout, host, later.stdout) == ("ok", "True\nTrue\n", "-1", "-1\n-1\n"), \
+        (added, host, later)
+
+
 def cgroups_writable():
     try:
         with open("/proc/self/cgroup") as f:
