@@ -345,6 +345,9 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
+        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
+            os.dup2(fd, i)  # below is reported in the call's stderr)
+        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
         # 1) a session and limits of its own
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
@@ -364,9 +367,6 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
         os.chdir(cfg["tmp"])
-        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3
-            os.dup2(fd, i)
-        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
         sys.modules["__main__"] = main
