@@ -462,10 +462,10 @@ def _wrapper(mode, view):
         return []
     # as root, no user namespace (the worker needs real uids to drop the child to); as a normal user, a user
     # namespace, in which the worker may mount each call's tmpfs and make its namespaces
-    ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    caps = ROOT_CAPS if os.geteuid() == 0 else ("CAP_SYS_ADMIN",)
-    ns = (ns if os.geteuid() == 0 else ["--unshare-all"]) + ["--cap-drop", "ALL"]
-    ns += [arg for cap in caps for arg in ("--cap-add", cap)]
+    root = os.geteuid() == 0
+    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root
+          else ["--unshare-all"])
+    ns += ["--cap-drop", "ALL"] + [arg for cap in (ROOT_CAPS if root else ("CAP_SYS_ADMIN",)) for arg in ("--cap-add", cap)]
     # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
     names = [op[-1] for op in view if op[0] in ("bind", "dev")]
     dirs = {d for op in view for d in _parents(op[-1]) if not any(d.startswith(n + "/") for n in names)}
@@ -540,7 +540,7 @@ def _stop(proc, kill):
         except subprocess.TimeoutExpired:
             kill = True
     if kill:
-        proc.kill()  # bwrap/unshare pass the SIGKILL on to the worker (--die-with-parent, --kill-child)
+        proc.kill()  # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
         proc.wait()
     proc.stdout.close()
 

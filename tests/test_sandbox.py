@@ -665,7 +665,7 @@ def test_soak_3k_calls():
     bad = [(c, r) for c, r in zip(cases, results)
            if r.status != c[2] or (c[3] is not None and (r.stdout, r.value) != (c[3], c[4]))]
     assert not bad, f"{len(bad)} wrong answers, e.g. {bad[:3]}"
-    assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap or unshare, worker): nothing else alive
+    assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap, worker): nothing else alive
     # only its own dir (plus the top of a venv or checkout under /tmp, whose needed pieces are bound)
     bound = {op[-1].split("/")[2] for op in sandbox_worker.view() if op[-1].startswith("/tmp/")}
     assert all(r.status == "ok" and len(set(eval(r.stdout)) - bound) == 1 for r in listing), listing
