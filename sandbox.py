@@ -48,9 +48,9 @@ Knobs (keyword arguments; the training configs set them):
     memory         the memory of one call, capped twice: (1) where the pool may make cgroups (root, cgroup v1
                    memory and pids controllers), all the memory of the call's processes, files, memfds and IPC
                    together, at `memory` + 64 MiB past its warm worker (each worker and its calls have a cgroup),
-                   past which the kernel kills its processes first (status memory); (2) everywhere, each process's address
-                   space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it may write
-                   and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
+                   past which the kernel kills its processes first (status memory); (2) everywhere, each process's
+                   address space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it
+                   may write and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
                    override. Its limit is on a fresh python3 (+128 MiB for the interpreter) and ours on top of a
                    warm one, so allocations between ~256 and ~350 MiB can differ; the test pins ones that fail and
                    succeed in both (tests/test_sandbox.py: list(range(10**7)) and [0] * 75_000_000 fail, 80 MB
@@ -465,7 +465,8 @@ def _wrapper(mode, view):
     root = os.geteuid() == 0
     ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root
           else ["--unshare-all"])
-    ns += ["--cap-drop", "ALL"] + [arg for cap in (ROOT_CAPS if root else ("CAP_SYS_ADMIN",)) for arg in ("--cap-add", cap)]
+    caps = ROOT_CAPS if root else ("CAP_SYS_ADMIN",)
+    ns += ["--cap-drop", "ALL"] + [arg for cap in caps for arg in ("--cap-add", cap)]
     # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
     names = [op[-1] for op in view if op[0] in ("bind", "dev")]
     dirs = {d for op in view for d in _parents(op[-1]) if not any(d.startswith(n + "/") for n in names)}

@@ -569,13 +569,15 @@ def view(dists=RICH_DISTS):
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
             where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
             need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
-        sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or [] if f.parts[0] != ".." and ".so" in f.name]
+        sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
+                if f.parts[0] != ".." and ".so" in f.name]
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
     # 3) the shared libraries all of these link, as the loader finds them (one ldd over every file: ~1 s)
     if os.path.isdir(dynload):
         sos += [os.path.join(dynload, n) for n in os.listdir(dynload) if ".so" in n]
     try:
-        out = subprocess.run(["ldd", *sos], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+        out = subprocess.run(["ldd", *sos], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
     except FileNotFoundError:
         raise RuntimeError("sandbox: refusing to start: ldd is missing (it finds the libraries the tool needs)")
     # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/lib64/ld-linux-x86-64.so.2 (0x...)"

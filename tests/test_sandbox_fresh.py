@@ -48,8 +48,8 @@ USER_CASES = {
                  "True\nTrue\n"),
                 (f"import ctypes\nlibc = ctypes.CDLL(None)\nfor ring in (-4, -3):  # KEYCTL_SEARCH\n"
                  f"    print(libc.syscall({KEYCTL}, 10, ring, b'user', b'nano-probe', 0))", "ok", "-1\n-1\n")],
-    "posix_mq": [("import ctypes, os\nlibc = ctypes.CDLL(None)\nq = libc.mq_open(b'/nano-probe', os.O_CREAT | os.O_RDWR,"
-                  " 0o666, None)\nprint(q >= 0, libc.mq_send(q, b'secret', 6, 0) == 0)", "ok", "True True\n"),
+    "posix_mq": [("import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+                  "q = libc.mq_open(b'/nano-probe', os.O_CREAT | os.O_RDWR, 0o666, None)\nprint(q >= 0, libc.mq_send(q, b'secret', 6, 0) == 0)", "ok", "True True\n"),
                  ("import ctypes, os\nprint(ctypes.CDLL(None).mq_open(b'/nano-probe', os.O_RDONLY))", "ok", "-1\n")],
     "tmp_file": [("import os\nfor d in ('/tmp', os.path.dirname(os.getcwd()), os.getcwd()):\n    try:\n"
                   "        with open(os.path.join(d, 'nano-probe'), 'wb') as f:\n            for _ in range(200):\n"
