@@ -202,16 +202,19 @@ def cgroups_writable():
 @pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs writable cgroup v1 memory and pids")
 def test_memory_is_capped_per_call():
     """Under the 256 MiB default, one call held ~600 MB with 4 forked processes of 150 MB (each under its own
-    address-space limit) and ~600 MB in memfds (which count against no rlimit): now the call is killed past
-    its cgroup's cap and answered `memory`, and the next call is honest."""
+    address-space limit), ~600 MB in memfds and ~600 MB in SysV segments (which count against no rlimit): now the
+    call is killed past its cgroup's cap and answered `memory`, and the next call is honest."""
     forked = ("import os\nfor _ in range(4):\n    if os.fork() == 0:\n        x = b'x' * 150_000_000\n"
               "        import time\n        time.sleep(2)\n        os._exit(0)\nfor _ in range(4):\n    os.wait()\n"
               "print('held')")
     memfds = ("import os\nfds = [os.memfd_create('m') for _ in range(3)]\nfor fd in fds:\n"
               "    for _ in range(200):\n        os.write(fd, b'x' * 1_000_000)\nprint('held')")
+    sysv = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\nfor key in range(3):\n"
+            "    addr = libc.shmat(libc.shmget(0x5EED0 + key, 200_000_000, 0o1600), None, 0)\n"
+            "    ctypes.memset(addr, 1, 200_000_000)\n    libc.shmdt(ctypes.c_void_p(addr))\nprint('held')")
     with SandboxPool(workers=1, timeout=3.0) as pool:
-        results = pool.map([forked, HONEST[0], memfds, HONEST[0]])
-    assert [r.status for r in results] == ["memory", "ok", "memory", "ok"], results
+        results = pool.map([forked, HONEST[0], memfds, HONEST[0], sysv, HONEST[0]])
+    assert [r.status for r in results] == ["memory", "ok"] * 3, results
     assert "cgroup" in results[0].stderr and results[1].stdout == "42\n", results
 
 
