@@ -11,8 +11,8 @@ if [ ! -f .venv/.installed ] || ! cmp -s requirements.txt .venv/.installed; then
   .venv/bin/pip install --quiet -r requirements.txt
   cp requirements.txt .venv/.installed
 fi
-# the sandbox isolates tool code with bubblewrap; install it where we may (root with apt), else the
-# sandbox falls back to `unshare`, and refuses to start if neither works
+# the sandbox isolates tool code with bubblewrap; install it where we may (root with apt): without it the
+# sandbox refuses to start (or runs unisolated only with isolation="none", for trusted code)
 if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "note: could not install bubblewrap"
 fi

@@ -4,7 +4,7 @@ sandbox.py: an isolated, high-throughput pool that runs untrusted Python snippet
 rStar2-Agent's code service answers up to 45K tool calls per RL step at ~0.3 s mean latency; its
 released executor (code-judge) starts a fresh `python3` per call and isolates nothing by default.
 Here a few warm worker interpreters fork a short-lived child per call, so imports are paid once per
-worker instead of once per call, and every worker lives inside its own namespace sandbox. A fork
+worker instead of once per call, and every worker lives inside bubblewrap. A fork
 costs in proportion to the parent's resident memory, so each slot keeps two workers: a lean one (the
 math stdlib, ~9 MB) for code that imports only the standard library, and a rich one with numpy
 and sympy imported and warmed (~57 MB) for the rest (scipy too). Trivial calls then cost ~2.5 ms, not ~6.
@@ -21,17 +21,20 @@ and sympy imported and warmed (~57 MB) for the rest (scipy too). Trivial calls t
 
 Layout (one box per worker, two workers per slot; the worker's code is sandbox_worker.py):
 
-    trainer process                          bwrap: an empty root with only the view below (or unshare)
+    trainer process                          bwrap: an empty root with only the view below
       run() / map() / submit() ─► FIFO       ┌────────────────────────────────────────────────────┐
       one thread per slot ─── JSON line ──► │ worker = pid 1 of the namespace, lean or rich warm │
-        watchdog: timeout + 2 s   ◄───────── │  per call: fork ─► child: setsid, rlimits, uid     │
-                                             │  65534-i, cwd /tmp/call-*/cwd, exec(code)          │
-                                             │  wall deadline, then SIGKILL to every other pid    │
+        watchdog: timeout + 2 s   ◄───────── │  per call, from nothing: a tmpfs, a pid namespace, │
+                                             │  fork ─► child: cgroup, rlimits, user + IPC        │
+                                             │  namespaces, the slot's uid, exec(code)            │
+                                             │  wall deadline, then the call's namespace is killed │
                                              └────────────────────────────────────────────────────┘
 
 How a status is decided (first rule that matches):
-    overloaded  the call was not started within `queue_timeout` seconds (it never ran)
+    overloaded  the call waited more than `queue_timeout` seconds for a worker (it never ran; it is answered
+                when a worker takes it)
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
+    memory      the call went past its cgroup's cap and the kernel killed one of its processes
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
@@ -40,56 +43,72 @@ How a status is decided (first rule that matches):
 Knobs (keyword arguments; the training configs set them):
     workers        slots, each running one call at a time in its lean or rich worker (default: the node's CPU
                    cores shared by the ranks on it, os.cpu_count() // LOCAL_WORLD_SIZE)
-    local_rank     which rank of the node owns the pool (default: LOCAL_RANK): as root, each slot of each rank
-                   of a node runs as its own uid, so RLIMIT_NPROC, which counts a uid host-wide, never lets one
-                   rank's process-heavy call fail another rank's (65534 down to 65000: 535 slots per node)
     timeout        wall-clock seconds per call (default 4: rStar's README starts code-judge with
                    MAX_EXECUTION_TIME=4); run() can override it
-    memory         bytes of address space a call process may add on top of the warm interpreter (~20 / ~175 MiB
-                   lean / rich), also the largest file it may write and each worker's /tmp size. Default 256
-                   MiB: code-judge's MAX_MEMORY default, which rStar does not override. Its limit is on a fresh
-                   python3 (+128 MiB for the interpreter) and ours on top of a warm one, so allocations between
-                   ~256 and ~350 MiB can differ; the test pins ones that fail and succeed in both
-                   (tests/test_sandbox.py: list(range(10**7)) and [0] * 75_000_000 fail, 80 MB succeed)
+    memory         the memory of one call, capped twice: (1) where the pool may make cgroups (root, cgroup v1
+                   memory and pids controllers), all the memory of the call's processes, files, memfds and IPC
+                   together, at `memory` + 64 MiB past its warm worker (each worker and its calls have a cgroup),
+                   past which the kernel kills its processes first (status memory); (2) everywhere, each process's
+                   address space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it
+                   may write and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
+                   override. Its limit is on a fresh python3 (+128 MiB for the interpreter) and ours on top of a
+                   warm one, so allocations between ~256 and ~350 MiB can differ; the test pins ones that fail and
+                   succeed in both (tests/test_sandbox.py: list(range(10**7)) and [0] * 75_000_000 fail, 80 MB
+                   succeed)
     output_cap     bytes kept of stdout and of stderr each (default 64 KiB)
     queue_timeout  seconds a call may wait for a free worker before it is answered `overloaded` (default 60)
-    isolation      "auto" (bwrap, else unshare, else refuse to start), "bwrap", "unshare", or "none" (opt-out)
+    isolation      "auto" or "bwrap" (bubblewrap; without it the pool refuses to start, saying how to get it), or
+                   "none": no isolation at all, for trusted code only
 run() may be awaited from any event loop in any thread; map() blocks; submit() returns a
-concurrent.futures.Future at once (the pool waits for it on its own event-loop thread).
+concurrent.futures.Future at once.
 
 The code runs as the release's harness runs it and prints what it prints (sandbox_worker._run_as_release).
 `value` is the repr of a trailing expression (not None; like IPython's Out[]), which the harness prints last.
 `duration` is the seconds the call ran in its worker (for overloaded: the seconds it waited).
 stdout and stderr are cut at `output_cap` bytes each; a line in stderr says how much was dropped.
 
-What a call can see (sandbox_worker.view(); every path read-only but /tmp, under its host name):
+Every call starts from nothing: no file, process, IPC object, keyring, limit or signal of an earlier call reaches
+it, and nothing it does reaches its worker, the next call, another pool or the trainer (sandbox_worker._call
+says how, step by step; each is a test in tests/test_sandbox_fresh.py, run as root and as a normal user).
+What a call can see (sandbox_worker.view(); every path read-only but its own tmpfs, under its host name):
   the interpreter (executable, standard library, pyvenv.cfg), the top-level directories of numpy,
   scipy, sympy, mpmath and what they require (numpy/, numpy.libs/, ...: not the rest of site-packages),
   each shared library these link (found with ldd), /etc/ld.so.cache, /etc/localtime, /dev/null, zero
-  and urandom, sandbox_worker.py alone, the namespace's own /proc, and a private, size-capped /tmp.
+  and urandom, sandbox_worker.py alone, the worker's /proc, and /tmp/call, a fresh tmpfs per call.
 What it cannot see: anything else of the host: home directories, the checkout, the run's data,
-  checkpoints and outputs (wherever they are, the host's /tmp included), /srv, /opt, /mnt, other
-  processes (other pid namespace), the trainer's environment (workers get a fresh minimal one).
-What it protects against (each one is a test in tests/test_sandbox.py):
-  - reading the host: the view above; the unshare fallback builds the same root and pivots into it;
-  - hangs and busy loops (wall deadline kills the whole process group and namespace), fork bombs
-    (RLIMIT_NPROC, counted per slot uid), memory blow-ups (RLIMIT_AS), huge files and outputs
-    (RLIMIT_FSIZE, a sized /tmp, output caps), crashes and self-kills of the worker (it is replaced
-    and the call answered `crash`), stray threads and processes after the code returns (killed),
-    processes that ignore SIGTERM or leave the process group (SIGKILL to the whole pid namespace);
+  checkpoints and outputs (wherever they are, the host's /tmp included), /srv, /opt, /mnt, the trainer and
+  other calls (other pid namespaces), the trainer's environment (workers get a fresh minimal one).
+What it protects against (each one is a test in tests/test_sandbox.py or tests/test_sandbox_fresh.py):
+  - reading the host: the view above;
+  - hangs and busy loops (wall deadline, then the call's pid namespace is killed), fork bombs (RLIMIT_NPROC
+    counted in the call's own user namespace, and pids.max), memory blow-ups (the cgroup, RLIMIT_AS), huge
+    files and outputs (RLIMIT_FSIZE, the sized tmpfs, output caps), crashes and self-kills of the worker (it is
+    replaced and the call answered `crash`), stray threads and processes after the code returns (killed with
+    the namespace, setsid or not);
   - writes to the host (nothing of it is writable), network access (empty network namespace: no
-    interfaces but loopback, which is not the host's), signals to or ptrace of the trainer;
-  - privilege: as root, code runs as a non-root uid (65534 - slot index) with no capabilities and
-    no_new_privs; as a normal user, with that user's uid in a user namespace.
+    interfaces but loopback, which is not the host's), signals, prlimit, renice or ptrace of the worker, the
+    trainer or other calls (none of them has a pid in the call's namespace);
+  - privilege and shared uids: as root, each slot's calls run as a uid of the pool's own, from 2,000,000,000 up
+    in blocks of 1,024, a block claimed per pool on the node (an abstract socket names it; a uid that /etc/passwd
+    or any host process uses is skipped), with no capabilities and no_new_privs; as a normal user, with that
+    user's uid in a user namespace of the call's own.
 What it does not protect against:
   - kernel exploits: there is no seccomp filter, so the whole syscall surface is reachable;
-  - a strict memory cap per call: RLIMIT_AS is per process, so a call may use up to
-    (processes allowed) x `memory`; a cgroup per slot would be the fix;
+  - a cap on the whole call's memory where the pool cannot make cgroups (a normal user; cgroup v2, not done):
+    RLIMIT_AS is per process, so a call may use (processes allowed) x `memory`, plus memfds and SysV segments,
+    which count against no rlimit, up to the size of RAM; and with cgroup v1 the kernel kills one process of a
+    call past its cap, not all of them (the call is answered `memory` and ended at its deadline);
   - CPU fairness: a call can use its whole time budget on one core, and can starve other workers'
     calls on an oversubscribed machine;
-  - with isolation="none" (the explicit opt-out): none of the namespace protections above apply (the
-    call sees the whole host), and a process that leaves its process group (setsid) can outlive the call.
-Needs Linux >= 5.3 (pidfd) and ldd; the unshare fallback needs Linux >= 5.12 (mount_setattr).
+  - as a normal user, every call runs as that user's uid: RLIMIT_NPROC counts the calls of every pool of the
+    user together, and host processes of that user too;
+  - with isolation="none" (the explicit opt-out, for trusted code): none of the namespace protections above
+    apply (the call sees the whole host), and a process that leaves its process group (setsid) can outlive the
+    call.
+Needs Linux >= 5.3 (pidfd, a user keyring per user namespace), bubblewrap, ldd, and user namespaces open to
+unprivileged processes even when the pool runs as root: each call makes one as its slot's uid (where a policy
+forbids it, e.g. Ubuntu 24.04's kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start, and its
+worker's error names the failing unshare).
 """
 
 import ast
@@ -99,7 +118,10 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import pwd
 import select
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -108,12 +130,15 @@ import time
 import sandbox_worker
 
 STATUSES = ("ok", "error", "timeout", "memory", "crash", "overloaded")
-ISOLATIONS = ("auto", "bwrap", "unshare", "none")
+ISOLATIONS = ("auto", "bwrap", "none")
 GRACE = 2.0        # seconds past a call's timeout before its worker counts as wedged and is replaced
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
-# worker capabilities when the pool runs as root: enough to drop to a uid, hand it a directory,
-# kill its leftovers and remove what it wrote; the child itself keeps none of them
-ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER")
+# worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces and
+# drop it to the slot's uid; the child itself keeps none of them
+ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID")
+CGROUP_SLACK = 64 << 20  # a worker's cgroup holds the warm worker, `memory` and this: the interpreter pages a call
+#                          dirties, so that a single process meets its own limits (MemoryError, a full tmpfs) first
+FIRST_UID, UID_BLOCK = 2_000_000_000, 1024  # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
 WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandbox (the view lists it)
 
 
@@ -135,12 +160,11 @@ class SandboxPool:
     `async with` (`await run`)."""
 
     def __init__(self, workers=None, timeout=4.0, memory=256 << 20, output_cap=1 << 16,
-                 queue_timeout=60.0, isolation="auto", local_rank=None):
+                 queue_timeout=60.0, isolation="auto"):
         if workers is None:
             workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"SandboxPool: workers must be a positive int, got {workers!r}")
+        if not isinstance(workers, int) or not 1 <= workers <= UID_BLOCK:
+            raise ValueError(f"SandboxPool: workers must be an int in [1, {UID_BLOCK}], got {workers!r}")
         for name, v, lo in (("timeout", timeout, 1e-3), ("queue_timeout", queue_timeout, 1e-3),
                             ("memory", memory, 16 << 20), ("output_cap", output_cap, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
@@ -148,13 +172,14 @@ class SandboxPool:
         if isolation not in ISOLATIONS:
             raise ValueError(f"SandboxPool: isolation must be one of {ISOLATIONS}, got {isolation!r}")
         self.workers, self.timeout, self.memory = workers, float(timeout), int(memory)
-        self.output_cap, self.queue_timeout, self.isolation = int(output_cap), float(queue_timeout), isolation
-        self.mode = None  # the isolation actually in use, once started
+        self.output_cap, self.queue_timeout = int(output_cap), float(queue_timeout)
+        self.mode = "none" if isolation == "none" else "bwrap"  # the isolation in use
+        self.uids = [None] * workers  # each slot's uid (as root), claimed at start()
         self._cond = threading.Condition()
         self._queue = collections.deque()  # calls: (t_submit, request line, future, timeout, needs rich)
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
-        self._view, self._loop = (), None  # what calls see; an event loop that times out submit()'s calls
+        self._view, self._uid_lock, self._cgroups = (), None, []
 
     # -- lifecycle
 
@@ -162,28 +187,22 @@ class SandboxPool:
         """Start the workers (blocks until all are warm). Raises if they cannot be isolated."""
         if self._running or self._closed:
             raise RuntimeError("SandboxPool.start: a pool can be started once")
-        if self.isolation != "none":  # raises, naming what is missing, before anything starts
+        if self.mode == "bwrap":  # raises, naming what is missing, before anything starts
             self._view = sandbox_worker.view(sandbox_worker.RICH_DISTS)
-        self._loop = asyncio.new_event_loop()
-        self._threads = [threading.Thread(target=self._loop.run_forever, daemon=True, name="sandbox-timers")]
-        self._threads[0].start()
-        slots = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"sandbox-{i}")
-                 for i in range(self.workers)]
-        self._threads += slots
+        if os.geteuid() == 0:
+            self._uid_lock, first = _claim_uids(self.workers)
+            self.uids = list(range(first, first + self.workers))
+        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"sandbox-{i}")
+                         for i in range(self.workers)]
         self._ready = [threading.Event() for _ in range(self.workers)]
-        # worker 0 settles the isolation mode (for "auto": bwrap, else unshare), the rest follow it
-        slots[0].start()
-        self._ready[0].wait()
-        if not self._errors:
-            for t in slots[1:]:
-                t.start()
-            for e in self._ready[1:]:
-                e.wait()
+        for thread in self._threads:
+            thread.start()
+        for ready in self._ready:
+            ready.wait()
+        self._running = True
         if self._errors:
-            self._running = True
             self.close()
             raise RuntimeError(self._errors[min(self._errors)])
-        self._running = True
         return self
 
     def close(self):
@@ -193,16 +212,20 @@ class SandboxPool:
                 return
             self._closed = True
             self._cond.notify_all()
-        for t in self._threads[1:]:
-            if t.is_alive():
-                t.join()
+        for thread in self._threads:
+            thread.join()
         with self._cond:
             while self._queue:
                 self._answer(self._queue.popleft(), "crash", "[sandbox] the pool shut down before this call ran")
-        if self._loop:  # every call is answered now: its timers can go
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._threads[0].join()
-            self._loop.close()
+        for path in self._cgroups:  # empty once the last killed worker is gone (a moment after bwrap)
+            for _ in range(200):
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    time.sleep(0.01)
+        if self._uid_lock:
+            self._uid_lock.close()
 
     def __enter__(self):
         return self.start()
@@ -221,39 +244,17 @@ class SandboxPool:
 
     async def run(self, code, stdin="", timeout=None):
         """Run `code` with `stdin`; always returns a Result (never raises for bad code)."""
-        call = self._submit(code, stdin, timeout)
-        fut = asyncio.wrap_future(call[2])
-        try:
-            done, _ = await asyncio.wait({fut}, timeout=self.queue_timeout)
-            if not done:
-                self._expire(call)  # answers `overloaded` unless a worker already took it
-            return await fut
-        except asyncio.CancelledError:
-            call[2].cancel()  # a queued call nobody waits for is skipped (a started one finishes)
-            raise
+        # cancelling the await cancels the call: one still queued is skipped (a started one finishes)
+        return await asyncio.wrap_future(self.submit(code, stdin, timeout))
+
+    def map(self, items, timeout=None):
+        """Synchronous helper: items are (code, stdin) pairs or code strings; results in order."""
+        futures = [self.submit(*((it, "") if isinstance(it, str) else it), timeout=timeout) for it in items]
+        return [future.result() for future in futures]
 
     def submit(self, code, stdin="", timeout=None):
         """Start a call without waiting: returns a concurrent.futures.Future of its Result (for callers
         with no event loop, like the rollout engine). Cancelling it skips the call if it has not started."""
-        call = self._submit(code, stdin, timeout)
-        self._loop.call_soon_threadsafe(self._arm, call)
-        return call[2]
-
-    def _arm(self, call):  # on the timer loop: answer `overloaded` if no worker took it in time
-        timer = self._loop.call_later(call[0] + self.queue_timeout - time.monotonic(), self._expire, call)
-        call[2].add_done_callback(lambda _: self._loop.call_soon_threadsafe(timer.cancel))
-
-    def map(self, items, timeout=None):
-        """Synchronous helper: items are (code, stdin) pairs or code strings; results in order."""
-        calls = [self._submit(*((it, "") if isinstance(it, str) else it), timeout) for it in items]
-        for call in calls:
-            try:
-                call[2].result(timeout=max(0.0, call[0] + self.queue_timeout - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                self._expire(call)
-        return [call[2].result() for call in calls]
-
-    def _submit(self, code, stdin, timeout):
         if not isinstance(code, str):
             raise TypeError(f"SandboxPool.run: code must be str, got {type(code).__name__}")
         if not isinstance(stdin, str):
@@ -268,25 +269,26 @@ class SandboxPool:
         with self._cond:
             self._queue.append(call)
             self._cond.notify()
-        return call
+        return call[2]
 
     def _answer(self, call, status, stderr):
-        # claim a call that no worker has taken yet and answer it; a no-op if it is taken or done
-        fut = call[2]
-        if not fut.done() and not fut.running() and fut.set_running_or_notify_cancel():
-            fut.set_result(Result(status, "", stderr, "", time.monotonic() - call[0]))
+        # answer a call no worker has taken (a no-op if it was cancelled)
+        if call[2].set_running_or_notify_cancel():
+            call[2].set_result(Result(status, "", stderr, "", time.monotonic() - call[0]))
 
-    def _expire(self, call):
-        with self._cond:
-            self._answer(call, "overloaded", f"[sandbox] not started within queue_timeout={self.queue_timeout:g} s")
+    def _overloaded(self, call):
+        self._answer(call, "overloaded", f"[sandbox] not started within queue_timeout={self.queue_timeout:g} s")
 
     def _take(self):
+        """The next call to run, or None once the pool closes. A call that waited past queue_timeout is answered
+        `overloaded` here, when it would have run."""
         with self._cond:
             while True:
                 while self._queue and not self._closed:
                     call = self._queue.popleft()
-                    fut = call[2]
-                    if not fut.done() and fut.set_running_or_notify_cancel():
+                    if time.monotonic() - call[0] > self.queue_timeout:
+                        self._overloaded(call)
+                    elif call[2].set_running_or_notify_cancel():
                         return call
                 if self._closed:
                     return None
@@ -314,16 +316,18 @@ class SandboxPool:
                         procs[rich] = None
                         procs[rich] = self._spawn(slot, rich)
             except Exception:
-                # could not restart: back off; queued calls go to other slots or expire as overloaded
+                # could not restart: back off; queued calls go to other slots, or, when none can take them, are
+                # answered `overloaded` once they have waited queue_timeout (no call waits forever)
                 with self._cond:
-                    self._cond.wait_for(lambda: self._closed, timeout=1.0)
-                    if self._closed:
+                    while self._queue and time.monotonic() - self._queue[0][0] > self.queue_timeout:
+                        self._overloaded(self._queue.popleft())
+                    if self._cond.wait_for(lambda: self._closed, timeout=1.0):
                         break
                 continue
             call = self._take()
             if call is None:
                 break
-            _, line, fut, timeout, rich = call
+            _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
             try:
                 _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
@@ -337,46 +341,101 @@ class SandboxPool:
                 procs[rich] = None
                 result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
                                 time.monotonic() - start)
-            fut.set_result(result)
+            future.set_result(result)
         for proc in procs.values():
             _stop(proc, kill=False)
 
     def _spawn(self, slot, rich):
-        root = os.geteuid() == 0
-        uid = 65534 - (self.local_rank * self.workers + slot) % 535 if root else None  # one per slot per node
-        cfg = {"uid": uid, "rich": rich, "memory": self.memory,
-               "output_cap": self.output_cap, "view": self._view}
-        modes = [self.mode] if self.mode else ["bwrap", "unshare"] if self.isolation == "auto" else [self.isolation]
-        failures = []
-        for mode in modes:
-            argv = _wrapper(mode, root, self.memory, self._view) + [
-                sandbox_worker.python(), "-I", WORKER, json.dumps({**cfg, "mode": mode})]
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, env=_worker_env(), close_fds=True)
-            except OSError as e:
-                failures.append(f"{mode}: {e}")
-                continue
-            proc.buf = bytearray()
+        wrapper = _wrapper(self.mode, self._view)
+        if wrapper and not shutil.which(wrapper[0]):
+            raise RuntimeError("sandbox: refusing to start: bubblewrap is missing (apt-get install -y bubblewrap; "
+                               "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
+                               "host without isolation (trusted code only)")
+        cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
+               "view": self._view, "mode": self.mode, "oom_fd": None}
+        # where the host lets us, the worker starts in a cgroup of its own (a shell puts itself there, then becomes
+        # bwrap), and so do the calls it forks; it reads the cgroup's count of out-of-memory kills through an fd
+        cgroup, join = self._cgroup() if os.geteuid() == 0 else None, []
+        if cgroup:
+            cfg["oom_fd"] = os.open(os.path.join(cgroup[0], "memory.oom_control"), os.O_RDONLY)
+            join = ["sh", "-c", 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"', "sh",
+                    *[os.path.join(d, "cgroup.procs") for d in cgroup]]
+        argv = join + wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_worker_env(), pass_fds=[cfg["oom_fd"]] if cgroup else [])
+        if cgroup:
+            os.close(cfg["oom_fd"])
+        proc.buf = bytearray()
+        try:
             os.set_blocking(proc.stdin.fileno(), False)
             os.set_blocking(proc.stdout.fileno(), False)
-            try:
-                hello = _read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
-            except OSError:
-                hello = None
+            hello = _read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
             if hello is not None and json.loads(hello).get("ready"):
                 proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
-                self.mode = mode
+                if cgroup:  # the cap: what the warm worker holds now, plus what one call may add
+                    with open(os.path.join(cgroup[0], "memory.usage_in_bytes")) as f:
+                        cap = int(f.read()) + self.memory + CGROUP_SLACK
+                    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+                        if os.path.exists(os.path.join(cgroup[0], name)):
+                            with open(os.path.join(cgroup[0], name), "w") as f:
+                                f.write(str(cap))
                 return proc
+        except Exception:  # it died (a closed pipe), or its cgroup could not be capped: no half-started worker
             _stop(proc, kill=True)
-            why = (hello and json.loads(hello).get("error")) or proc.stderr.read().decode(errors="replace").strip()
-            proc.stderr.close()
-            failures.append(f"{mode}: {why.splitlines()[-1] if why else 'worker exited'}")
-        if not self.mode and self.isolation != "none":
-            raise RuntimeError("sandbox: refusing to start: cannot isolate the workers (" + "; ".join(failures) +
-                               "); install bubblewrap (apt-get install -y bubblewrap) or pass isolation='none' "
-                               "to run untrusted code on this host without isolation")
-        raise RuntimeError(f"sandbox: worker {slot} failed to start ({'; '.join(failures)})")
+            raise
+        _stop(proc, kill=True)
+        why = (hello and json.loads(hello).get("error")) or proc.stderr.read().decode(errors="replace").strip()
+        proc.stderr.close()
+        raise RuntimeError(f"sandbox: worker {slot} failed to start ({why.splitlines()[-1] if why else 'it exited'})")
+
+    def _cgroup(self):
+        """A fresh cgroup (v1, memory and pids) for one worker and the calls it forks, below the pool's own, capped
+        at NPROC processes per call (and, once the worker is warm, at its memory plus what a call may add): its
+        memory and pids directories, or None where the host does not let us make them."""
+        try:
+            with open("/proc/self/cgroup") as f:
+                own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
+            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
+            dirs = [f"/sys/fs/cgroup/{c}{own[c]}/{name}".replace("//", "/") for c in ("memory", "pids")]
+            for d in dirs:
+                os.mkdir(d)
+                self._cgroups.append(d)
+            with open(os.path.join(dirs[1], "pids.max"), "w") as f:
+                f.write(str(sandbox_worker.NPROC + 3))  # + bwrap, the worker and the call's init
+        except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
+            return None
+        return dirs
+
+
+def _claim_uids(workers):
+    """A block of UID_BLOCK uids for this pool's slots, no other pool on the node holds (each holds an abstract
+    unix socket named after its block while it lives) and no host account or process uses: (the socket, first uid)."""
+    in_use = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                in_use.update(int(u) for line in f if line.startswith("Uid:") for u in line.split()[1:])
+        except OSError:
+            continue
+    for block in range(1000):
+        first = FIRST_UID + block * UID_BLOCK
+        lock = socket.socket(socket.AF_UNIX)
+        try:
+            lock.bind(f"\0nano-rstar2-sandbox-uids-{first}")
+        except OSError:  # another pool holds it
+            lock.close()
+            continue
+        if not any(uid in in_use or _has_account(uid) for uid in range(first, first + workers)):
+            return lock, first
+        lock.close()
+    raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
+
+
+def _has_account(uid):
+    try:
+        return bool(pwd.getpwuid(uid))
+    except KeyError:
+        return False
 
 
 def _needs_rich(code):
@@ -396,28 +455,28 @@ def _needs_rich(code):
     return "__import__" in code or "import_module" in code  # a computed name: assume the worst
 
 
-def _wrapper(mode, root, memory, view):
-    """The command prefix that puts a worker in its own namespaces, seeing only `view` (see
-    sandbox_worker.view) plus its own /proc and a private /tmp."""
-    if mode == "bwrap":
-        # as root, no user namespace: the worker needs real uids to drop the child to
-        ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-              "--cap-drop", "ALL"] + [a for c in ROOT_CAPS for a in ("--cap-add", c)] if root else ["--unshare-all"]
-        # directories on the way to each path: bwrap would copy their host modes (e.g. /root 700)
-        binds = [op[1] for op in view if op[0] == "bind"]
-        dirs = {d for op in view for d in _parents(op[-1]) if not any(d.startswith(b + "/") for b in binds)}
-        mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "mask": "--tmpfs"}
-        args = [a for d in sorted(dirs - set(binds)) for a in ("--dir", d)]
-        args += [a for op in view for a in (["--symlink", *op[1:]] if op[0] == "symlink" else
-                                           [mounts[op[0]], op[1]] + [op[1]] * (op[0] != "mask"))]
-        ro = [a for op in view if op[0] == "mask" for a in ("--remount-ro", op[1])]
-        return ["bwrap", *ns, "--new-session", "--die-with-parent", "--as-pid-1", "--proc", "/proc",
-                "--size", str(max(memory, 64 << 20)), "--tmpfs", "/tmp", *args, *ro, "--remount-ro", "/",
-                "--chdir", "/", "--"]
-    if mode == "unshare":  # the worker itself then mounts the view and pivots into it
-        user = [] if root else ["--user", "--map-root-user"]
-        return ["unshare", *user, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--"]
-    return []
+def _wrapper(mode, view):
+    """The command prefix that puts a worker in bubblewrap, seeing only `view` (see sandbox_worker.view) plus its
+    own /proc and a read-only /tmp holding the empty directory each call mounts its tmpfs on."""
+    if mode == "none":
+        return []
+    # as root, no user namespace (the worker needs real uids to drop the child to); as a normal user, a user
+    # namespace, in which the worker may mount each call's tmpfs and make its namespaces
+    root = os.geteuid() == 0
+    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root
+          else ["--unshare-all"])
+    caps = ROOT_CAPS if root else ("CAP_SYS_ADMIN",)
+    ns += ["--cap-drop", "ALL"] + [arg for cap in caps for arg in ("--cap-add", cap)]
+    # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
+    names = [op[-1] for op in view if op[0] in ("bind", "dev")]
+    dirs = {d for op in view for d in _parents(op[-1]) if not any(d.startswith(n + "/") for n in names)}
+    args = [arg for d in sorted(dirs - set(names)) for arg in ("--dir", d)]
+    mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "symlink": "--symlink"}
+    args += [arg for op in view for arg in ([mounts[op[0]], *op[1:]] if op[0] in mounts else ["--tmpfs", op[1]])]
+    ro = [arg for op in view if op[0] == "mask" for arg in ("--remount-ro", op[1])]
+    return ["bwrap", *ns, "--new-session", "--die-with-parent", "--as-pid-1", "--proc", "/proc",
+            "--tmpfs", "/tmp", *args, "--dir", sandbox_worker.CALL_DIR, *ro, "--remount-ro", "/tmp",
+            "--remount-ro", "/", "--chdir", "/", "--"]
 
 
 def _parents(path):
@@ -482,7 +541,7 @@ def _stop(proc, kill):
         except subprocess.TimeoutExpired:
             kill = True
     if kill:
-        proc.kill()  # bwrap/unshare pass the SIGKILL on to the worker (--die-with-parent, --kill-child)
+        proc.kill()  # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
         proc.wait()
     proc.stdout.close()
 

@@ -1,29 +1,39 @@
 """
-sandbox_worker.py: the half of the sandbox that runs inside the namespace (sandbox.py is the pool).
+sandbox_worker.py: the half of the sandbox that runs inside bubblewrap (sandbox.py is the pool).
 
-A worker is `python -I sandbox_worker.py '<json config>'`, started by sandbox.py inside bubblewrap or
-`unshare`. It serves one call at a time over JSON lines on stdin/stdout: fork a child, lock it down
-(setsid, rlimits, a non-root uid, an empty directory of its own), run the code as __main__, collect its
-output until it exits or the wall deadline passes, then kill everything else in the namespace.
+A worker is `python -I sandbox_worker.py '<json config>'`, started by sandbox.py inside bubblewrap. It serves
+one call at a time over JSON lines on stdin/stdout, and every call starts from nothing (`_call`, step by step):
+  1. an empty, size-capped tmpfs of its own on /tmp/call (its cwd, $HOME and $TMPDIR; the rest of /tmp is
+     read-only), unmounted after the call: nothing it wrote is left anywhere, however deep or shut;
+  2. a pid namespace of its own, held open by an init that does nothing (a clone of the worker that shares its
+     memory, so it costs no copy): the code is pid 2 there and cannot name its worker, the trainer or any
+     other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
+  3. a forked child that takes its rlimits, then the slot's uid, a user namespace and an IPC namespace of its own
+     (fresh user and session keyrings; no SysV object or POSIX message queue of anyone else) and no
+     capabilities, and runs the code as the release's harness runs it (_run_as_release); where the pool could
+     make one, the worker's cgroup caps the memory and processes of the whole call, and the call's processes
+     are the first the kernel kills in it;
+  4. its output is read until it exits or its deadline passes; killing the init then ends every process the
+     call started (a pid namespace dies with its init), and the status is decided (rules in sandbox.py).
 
 What the code prints is what the release's code harness prints for it (the model was trained on that):
 errors as "ErrType at line N: msg\n  <line>", the code compiled as "<string>", a trailing expression's
 repr after all other output, what print() left buffered lost on an error and kept on a timeout (the
-call's own alarm flushes it at the deadline). _run_as_release says how the harness runs the code.
+call's own alarm flushes it at the deadline).
 
-It also owns what a call can see. `view()` (run by the pool, on the host, once per process) lists it;
-bwrap gets the list as arguments, and with the unshare fallback `_build_root` (run here, as root of a
-fresh mount namespace) mounts the same list on an empty tmpfs and pivots into it. The list:
-  - the interpreter: its executable and the symlinks that lead to it, pyvenv.cfg for a venv, the
-    standard library (with its own site-packages covered by an empty tmpfs);
+It also owns what a call can see. `view()` (run by the pool, on the host, once per process) lists it, and bwrap
+gets the list as arguments:
+  - the interpreter: its executable, pyvenv.cfg for a venv, the standard library (with its own site-packages
+    covered by an empty tmpfs);
   - the distributions in RICH_DISTS (numpy, scipy, sympy, mpmath) and what they require: only the
     top-level files and directories their RECORD lists (numpy/, numpy.libs/, ...), not site-packages;
   - the shared libraries all of these link, as the loader resolves them (ldd), each file on its own;
   - /etc/ld.so.cache and /etc/localtime; /dev/null, /dev/zero, /dev/urandom (and /dev/fd, /dev/stdin,
     ... as links into /proc/self); this file, on its own;
-  - from the mode: a fresh /proc of the worker's pid namespace and a private, size-capped /tmp.
-Every path keeps its host name (tracebacks read as usual); all is read-only except /tmp. Nothing else
-of the host is there: no home directories, no checkout, no run data, nothing of the host's /tmp.
+  - a fresh /proc of the worker's pid namespace and a read-only /tmp holding only /tmp/call.
+Every path is bound read-only under the name the host uses for it (tracebacks read as usual), from the file it
+names (a link is followed on the host, so the loader finds each library where ldd found it). Nothing else of the
+host is there: no home directories, no checkout, no run data, nothing of the host's /tmp.
 """
 
 import ast
@@ -36,18 +46,24 @@ import math
 import os
 import resource
 import select
+import shutil
 import signal
 import struct
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import types
 
-NPROC = 64         # processes + threads one call may have (per uid, so per slot when we run as root)
+NPROC = 64         # processes + threads one call may have (its own count: it has a user namespace of its own)
 NOFILE = 256       # open files per call process
 LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
 #                    flush what it printed and end it, before it kills the call itself
+CALL_DIR = "/tmp/call"  # each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
+CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
+KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl syscall (glibc has no wrapper)
+INIT_STACK = ctypes.create_string_buffer(1 << 16)  # the stack of each call's init, which only ever calls pause()
 
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
@@ -58,12 +74,17 @@ PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "c
            "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy", "scipy")  # scipy's top level only (~1 MB): preloading its submodules
 # (optimize, integrate, special, linalg) doubled the rich worker's memory and so its fork time
-MOUNT_SETATTR = 442  # syscall numbers: the same on x86_64 and aarch64; pivot_root is not
-PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 
 
 def _libc():
-    return ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    return libc
+
+
+def _check(result, what):
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what} failed")
 
 
 def main(cfg):
@@ -76,24 +97,23 @@ def main(cfg):
     sys.dont_write_bytecode = True  # (-I keeps this file's directory off sys.path)
     libc = _libc()
     try:
-        if cfg["mode"] == "unshare":  # bwrap does this for us; with unshare we are root of a mount ns
-            _build_root(libc, cfg)
         problems = _isolation_problems(cfg)
         if problems:
-            raise RuntimeError(f"{cfg['mode']} sandbox is not isolated: " + "; ".join(problems))
+            raise RuntimeError("the sandbox is not isolated: " + "; ".join(problems))
         _prepare_calls(cfg, libc)
         _warm(cfg["rich"])
         if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
                            cfg, _vmsize(), libc)
-            if canary["status"] != "ok":  # (the first line of the harness's report is the error)
-                raise RuntimeError(f"code running as uid {cfg['uid']} cannot read the Python installation: "
-                                   + (canary["stderr"].strip().splitlines() or [canary["status"]])[0])
+            if canary["status"] != "ok":  # the first line of the harness's report, or the last of a traceback
+                lines = canary["stderr"].strip().splitlines() or [canary["status"]]
+                raise RuntimeError(f"a call (uid {cfg['uid']}) cannot start or read the Python installation: "
+                                   + lines[-1 if lines[0].startswith("Traceback") else 0])
     except Exception as e:
         rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
         rep.flush()
         os._exit(1)
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: code running as our uid cannot ptrace us
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
     vm = _vmsize()
     rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
     rep.flush()
@@ -103,23 +123,26 @@ def main(cfg):
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
         rep.write((json.dumps(out) + "\n").encode())
         rep.flush()
-    _rmtree(os.path.dirname(cfg["tmp"]))  # with isolation="none" it is on the host's /tmp
+    if cfg["mode"] == "none":
+        shutil.rmtree(os.path.dirname(cfg["tmp"]), ignore_errors=True)  # on the host's /tmp
 
 
 def _prepare_calls(cfg, libc):
     """What every call's child would otherwise set up itself: done once here, inherited by each fork
     (each step a child skips is pages it does not copy-on-write)."""
-    # the call's directory: one path per worker, made and removed per call, inside a fresh directory
-    # (a name no one can guess) that only we may change: as root, a call cannot move its own away
-    base = tempfile.mkdtemp(prefix="call-")
-    os.chmod(base, 0o711)
-    cfg["tmp"] = os.path.join(base, "cwd")
+    # the call's directory: with bwrap, CALL_DIR, where each call gets a tmpfs of its own; with isolation "none"
+    # (trusted code), a directory on the host's /tmp, made and removed per call
+    if cfg["mode"] == "none":
+        cfg["tmp"] = os.path.join(tempfile.mkdtemp(prefix="call-"), "cwd")
+        os.chmod(os.path.dirname(cfg["tmp"]), 0o711)  # the call's uid may pass
+    else:
+        cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
+        cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (and so each call's init has no handler at all)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
-    signal.signal(signal.SIGALRM, _deadline)  # armed by each child for its own deadline
     # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
     # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
     # stderr by lines
@@ -134,56 +157,6 @@ def _vmsize():
         return int(next(line for line in f if line.startswith("VmSize")).split()[1]) * 1024
 
 
-def _build_root(libc, cfg):
-    """For the unshare fallback (bwrap does the same from its arguments): mount the view on an empty tmpfs,
-    with a fresh /proc and a private /tmp, and make it our root. We are root of a new mount namespace."""
-    def mount(src, dst, fstype, flags, data=None):
-        if libc.mount(src.encode(), dst.encode(), fstype and fstype.encode(), ctypes.c_ulong(flags),
-                      data and data.encode()) != 0:
-            raise OSError(ctypes.get_errno(), f"mount {src} on {dst} failed")
-
-    def read_only(path, recursive):  # mount_setattr(path, AT_RECURSIVE?, MOUNT_ATTR_RDONLY)
-        attr = struct.pack("QQQQ", 1, 0, 0, 0)
-        if libc.syscall(ctypes.c_long(MOUNT_SETATTR), ctypes.c_int(-100), path.encode(),
-                        ctypes.c_uint(0x8000 * recursive), attr, ctypes.c_size_t(len(attr))) != 0:
-            raise OSError(ctypes.get_errno(), f"mount_setattr({path}, read-only) failed (needs Linux >= 5.12)")
-
-    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC = 2, 4, 8, 4096, 16384
-    os.umask(0o022)  # directories made below stay traversable for the call uid
-    # hold every source before the new root covers /tmp (a venv or checkout may live there)
-    src = {op[-1]: os.open(op[-1], os.O_PATH) for op in cfg["view"] if op[0] in ("bind", "dev")}
-    new = "/tmp"  # any directory would do: the tmpfs only hides it in this namespace
-    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
-    for d in ("proc", "tmp"):
-        os.mkdir(new + "/" + d)
-    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={max(cfg['memory'], 64 << 20)},mode=1777")
-    for op in cfg["view"]:
-        kind, path = op[0], new + op[-1]
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if kind == "symlink":
-            os.symlink(op[1], path)
-        elif kind == "mask":
-            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755")
-        else:
-            fd = src.pop(op[-1])
-            os.makedirs(path, exist_ok=True) if os.path.isdir(f"/proc/self/fd/{fd}") else open(path, "a").close()
-            mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-            os.close(fd)
-            if kind == "bind":
-                read_only(path, recursive=True)
-    for op in cfg["view"]:
-        if op[0] == "mask":
-            read_only(new + op[1], recursive=False)
-    read_only(new, recursive=False)  # the root itself; /tmp stays writable
-    os.chdir(new)
-    if libc.syscall(ctypes.c_long(PIVOT_ROOT[os.uname().machine]), b".", b".") != 0:  # the old root goes on top
-        raise OSError(ctypes.get_errno(), "pivot_root failed")
-    if libc.umount2(b".", 2) != 0:  # MNT_DETACH: and now it is gone
-        raise OSError(ctypes.get_errno(), "umount of the old root failed")
-    os.chdir("/")
-
-
 def _isolation_problems(cfg):
     if cfg["mode"] == "none":
         return []
@@ -193,16 +166,12 @@ def _isolation_problems(cfg):
         problems.append(f"the root holds more than the view: {sorted(extra)[:5]}")
     if os.getpid() != 1:
         problems.append("the worker is not the init of its own pid namespace")
-    # this file is bound from the host: it must be read-only (its directory may be a fresh one in the private
-    # /tmp when the checkout lives under /tmp, and that one is writable)
-    if os.access("/", os.W_OK) or os.access(os.path.abspath(__file__), os.W_OK):
+    if os.access("/", os.W_OK) or os.access(os.path.abspath(__file__), os.W_OK) or os.access("/tmp", os.W_OK):
         problems.append("the host filesystem is writable")
     with open("/proc/net/dev") as f:
         ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
     if ifaces:
         problems.append(f"network interfaces are visible: {sorted(ifaces)}")
-    if not os.access("/tmp", os.W_OK):
-        problems.append("/tmp is not writable")
     return problems
 
 
@@ -243,35 +212,100 @@ def _warm(rich):
 
 
 def _call(code, stdin, timeout, cfg, vm, libc):
-    """Run one call in a forked child; return the Result fields as a dict."""
-    cap, uid, pid1, tmp = cfg["output_cap"], cfg["uid"], os.getpid() == 1, cfg["tmp"]
-    try:
+    """Run one call from nothing, in a forked child; return the Result fields as a dict."""
+    isolated, tmp = cfg["mode"] != "none", cfg["tmp"]
+    # 1) an empty directory of its own: with bwrap a fresh tmpfs, whose size is all the file space it gets
+    if isolated:
+        _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", ctypes.c_ulong(2 | 4),  # MS_NOSUID | MS_NODEV
+                          f"size={cfg['memory']},mode=700,uid={cfg['uid']},gid={cfg['uid']}".encode()), "mount")
+    else:
         os.mkdir(tmp, 0o700)
-    except FileExistsError:  # the last call (as our own uid) put something in its place
-        _rmtree(tmp)
-        os.mkdir(tmp, 0o700)
-    if uid is not None:
-        os.chown(tmp, uid, uid)
+        if cfg["uid"] is not None:
+            os.chown(tmp, cfg["uid"], cfg["uid"])
+    # 2) its stdin (a memfd, written whole) and pipes for its stdout, stderr and last word (fd 3)
     stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, stdin.encode(errors="replace"))  # memfd writes are complete
+    os.write(stdin_fd, stdin.encode(errors="replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    ctl_r, ctl_w = os.pipe()
+    (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
+    oom_kills = _oom_kills(cfg)
+    # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
+    init = _start_init(libc) if isolated else None
     sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(code, tmp, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
+        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
+    if isolated:
+        _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")  # our next children are in our namespace again
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
-    # 1) collect output until the child exits or the deadline passes
-    bufs = {out_r: bytearray(), err_r: bytearray(), ctl_r: bytearray()}
-    dropped = {out_r: 0, err_r: 0, ctl_r: 0}
+    # 4) collect its output until it exits or its deadline passes
+    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg["output_cap"])
+    # 5) end it: killing the init ends every process of the namespace; unmounting its tmpfs frees its files
+    if isolated:
+        os.kill(init, signal.SIGKILL)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # its process group (isolation "none": trusted code)
+    _, wstatus, usage = os.wait4(pid, 0)
+    duration = time.monotonic() - t0
+    if isolated:
+        os.waitpid(init, 0)
+        _check(libc.umount2(tmp.encode(), 2), "umount")  # MNT_DETACH
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # 6) decide the status (the rules are in sandbox.py's docstring)
+    # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
+    ctl_status, has_value, value = outputs[2].rpartition("\0")[2].partition("\n")
+    note, cpu = "", usage.ru_utime + usage.ru_stime
+    sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
+    if _oom_kills(cfg) > oom_kills:  # the cgroup's cap: the kernel killed one of its processes
+        status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
+    elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
+        status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
+    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(timeout) + 1):
+        status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
+    elif sig is not None:
+        name = signal.Signals(sig).name if sig in signal.valid_signals() and sig < signal.SIGRTMIN else sig
+        status, note = "crash", f"[sandbox] killed by signal {name}"
+    elif ctl_status == "memory":
+        status = "memory"
+    else:
+        status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
+    cap = cfg["output_cap"]
+    notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cap})"
+             for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
+    stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
+    return {"status": status, "stdout": outputs[0], "stderr": stderr, "value": value if has_value else "",
+            "duration": duration}
+
+
+def _start_init(libc):
+    """A pid namespace for our next child, and its init: a clone of this process sharing its memory (so nothing
+    is copied), sitting in pause() until it is killed. As init it ignores every signal sent from inside its
+    namespace (it has no handlers), and when it dies every process of the namespace dies with it."""
+    _check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    top = (ctypes.addressof(INIT_STACK) + len(INIT_STACK)) & ~15
+    init = libc.clone(ctypes.cast(libc.pause, ctypes.c_void_p), top, CLONE_VM | signal.SIGCHLD, None)
+    if init < 0:
+        raise OSError(ctypes.get_errno(), "clone of the call's init failed")
+    return init
+
+
+def _oom_kills(cfg):
+    """How many processes the kernel has killed in this worker's call cgroup (memory.oom_control's oom_kill)."""
+    if cfg.get("oom_fd") is None:
+        return 0
+    return int(os.pread(cfg["oom_fd"], 4096, 0).decode().split("oom_kill ")[-1].split()[0])
+
+
+def _collect(pid, fds, deadline, cap):
+    """Read the call's pipes until it exits or `deadline` passes: (texts, bytes dropped past `cap` per pipe, timed
+    out). The control pipe (the last) keeps 4 KiB more than `cap`: the value comes through it."""
+    bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
     pidfd = os.pidfd_open(pid)
-    live = set(bufs)
     poller = select.poll()
-    for fd in (*bufs, pidfd):
+    for fd in (*fds, pidfd):
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
 
@@ -282,108 +316,57 @@ def _call(code, stdin, timeout, cfg, vm, libc):
             except BlockingIOError:
                 return
             if not chunk:
-                if fd in live:
-                    poller.unregister(fd)
-                    live.remove(fd)
+                poller.unregister(fd)
+                live.discard(fd)
                 return
-            keep = max(0, cap + 4096 * (fd == ctl_r) - len(bufs[fd]))
+            keep = max(0, cap + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
             dropped[fd] += len(chunk) - len(chunk[:keep])
 
     timed_out, exited = False, False
-    while not exited:
-        left = t0 + timeout + LAST_WORDS - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        for fd, _ in poller.poll(left * 1000):
+    while not exited and not timed_out:
+        left = deadline - time.monotonic()
+        timed_out = left <= 0
+        for fd, _ in poller.poll(max(left, 0) * 1000):
             if fd == pidfd:
                 exited = True
-            elif fd in bufs:
+            elif fd in live:
                 pump(fd)
-    # 2) kill what is left of the call: its process group, and as pid 1 every other process we see
-    for fd in live.copy():  # what the child wrote before it exited is still in the pipes
+    for fd in live.copy():  # what it wrote before it exited is still in the pipes
         pump(fd, reads=64)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _, wstatus, usage = os.wait4(pid, 0)
-    duration = time.monotonic() - t0
-    if pid1:
-        try:
-            os.kill(-1, signal.SIGKILL)  # from a namespace's init this reaches only that namespace
-        except ProcessLookupError:  # nothing else was alive
-            pass
-        while True:
-            try:
-                os.wait()
-            except ChildProcessError:
-                break
-    for fd in bufs:
-        if fd in live:
-            pump(fd, reads=64)
+    for fd in (*fds, pidfd):
         os.close(fd)
-    os.close(pidfd)
-    try:
-        os.rmdir(tmp)  # usually the code wrote nothing
-    except OSError:
-        _rmtree(tmp)
-    _drop_ipc(cfg, libc)
-    # 3) decide the status (the rules are in the module docstring)
-    # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
-    ctl_status, has_value, value = bufs[ctl_r].decode(errors="replace").rpartition("\0")[2].partition("\n")
-    note = ""
-    if timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
-        status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
-    elif os.WIFSIGNALED(wstatus):
-        sig = os.WTERMSIG(wstatus)
-        cpu = usage.ru_utime + usage.ru_stime
-        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(timeout) + 1):
-            status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
-        else:
-            name = signal.Signals(sig).name if sig in signal.valid_signals() and sig < signal.SIGRTMIN else sig
-            status, note = "crash", f"[sandbox] killed by signal {name}"
-    elif ctl_status == "memory":
-        status = "memory"
-    else:
-        status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
-    stdout = bufs[out_r].decode(errors="replace")
-    stderr = bufs[err_r].decode(errors="replace")
-    notes = [f"[sandbox] {name} truncated: {dropped[fd]} more bytes dropped (cap {cap})"
-             for name, fd in (("stdout", out_r), ("stderr", err_r)) if dropped[fd]] + ([note] if note else [])
-    if notes:
-        stderr += ("\n" if stderr and not stderr.endswith("\n") else "") + "\n".join(notes)
-    value = value if has_value else ""
-    return {"status": status, "stdout": stdout, "stderr": stderr, "value": value, "duration": duration}
+    return [bufs[fd].decode(errors="replace") for fd in fds], [dropped[fd] for fd in fds[:2]], timed_out and not exited
 
 
-def _child(code, tmp, deadline, timeout, cfg, vm, libc, fds):
+def _child(code, deadline, timeout, cfg, vm, libc, fds):
     """The forked child: lock down, then run `code` as __main__, as the release's harness runs it
     (_run_as_release). Never returns into the worker.
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
+        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
+            os.dup2(fd, i)  # below is reported in the call's stderr)
+        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        # 1) a session and limits of its own
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
+        # 2) its own namespaces and uid, no capabilities
         uid = cfg["uid"]
-        if uid is not None:
+        if cfg["mode"] != "none":
+            _own_namespaces(libc, uid)
+        elif uid is not None:  # isolation "none" as root: the slot's uid all the same
             os.setgroups([])
             os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
-        elif os.geteuid() == 0:  # root of a user namespace (unshare as a normal user): drop its capabilities
-            if libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)) != 0:
-                raise OSError(ctypes.get_errno(), "capset")
-        if cfg["mode"] == "none":  # elsewhere the namespace ends with its worker
+            os.setresuid(uid, uid, uid)
+        if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
-        os.chdir(tmp)
-        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3
-            os.dup2(fd, i)
-        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
+        os.chdir(cfg["tmp"])
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
         sys.modules["__main__"] = main
@@ -429,6 +412,26 @@ def _child(code, tmp, deadline, timeout, cfg, vm, libc, fds):
             pass
     finally:
         os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
+
+
+def _own_namespaces(libc, uid):
+    """A user namespace and an IPC namespace of the call's own, as `uid`, with no capabilities. The kernel keeps a
+    user keyring per uid per user namespace, so the call's is new; the IPC namespace holds no SysV object or
+    POSIX message queue of anyone else and takes the call's with it; a new session keyring replaces the worker's."""
+    if os.geteuid() == 0:  # the slot's uid first: the namespace's maps may name only the uid that makes it
+        os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
+    with open("/proc/self/oom_score_adj", "w") as f:  # first in line when the cgroup runs out, never the worker
+        f.write("1000")
+    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:  # the same uid inside and out
+            f.write(text)
+    _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # none, in any namespace
+    if libc.syscall(KEYCTL[os.uname().machine], 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING, a new anonymous one
+        raise OSError(ctypes.get_errno(), "keyctl(JOIN_SESSION_KEYRING) failed")
 
 
 class _Reported(Exception):
@@ -516,85 +519,6 @@ def _deadline(signum, frame):
         os.killpg(0, signal.SIGKILL)  # the call's process group, this process included
 
 
-def _rmtree(path):
-    """Remove what a call left, without recursion and by short relative names (shutil.rmtree recursed: 5,000
-    nested directories raised RecursionError and killed the worker, and their full paths pass PATH_MAX),
-    opening up directories the code chmod-ed shut, and never following a link it planted."""
-    if os.path.islink(path) or not os.path.isdir(path):  # the code moved it, or put something in its place
-        if os.path.lexists(path):
-            os.unlink(path)
-        return
-    back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
-    names, stuck = [], set()  # the directories we are in, below path; inodes that cannot be entered or removed
-    try:
-        os.chmod(path, 0o700)
-        os.chdir(path)
-        while True:
-            sub = None
-            for e in list(os.scandir(".")):
-                if not e.is_dir(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        os.unlink(e.name)
-                elif sub is None and e.inode() not in stuck:
-                    sub = e
-            if sub is not None:  # go down
-                try:
-                    os.chmod(sub.name, 0o700)
-                    os.chdir(sub.name)
-                    names.append((sub.name, sub.inode()))
-                except OSError:
-                    stuck.add(sub.inode())
-                continue
-            if not names:
-                break
-            name, inode = names.pop()  # this one is empty: go up and remove it
-            os.chdir("..")
-            try:
-                os.rmdir(name)
-            except OSError:
-                stuck.add(inode)
-    except OSError:
-        pass
-    finally:
-        os.fchdir(back)
-        os.close(back)
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-
-
-def _drop_ipc(cfg, libc):
-    """SysV shared memory, message queues and semaphores outlive the process that made them (and sit outside
-    every memory limit): remove those the call's uid made, so the next call starts from none. Removing needs
-    the owner's uid, so it is done by a child that takes it (as root; otherwise the call ran as our own uid).
-    With isolation "none" and no uid of its own the namespace is the host's, and those objects are not ours."""
-    uid = cfg["uid"]
-    if uid is None and cfg["mode"] == "none":
-        return
-    uid = os.getuid() if uid is None else uid
-    found = []  # (kind, id); the columns: key, id, perms, ... and "cuid" (the creator, which no call can change)
-    for kind in ("shm", "msg", "sem"):
-        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{kind}") as f:
-            head, *rows = f.read().splitlines()
-            at = head.split().index("cuid")
-            found += [(kind, int(r.split()[1])) for r in rows if int(r.split()[at]) == uid]
-    if not found:  # the usual case: no fork
-        return
-    pid = os.fork()
-    if pid == 0:
-        try:
-            if cfg["uid"] is not None:
-                os.setresgid(uid, uid, uid)
-                os.setresuid(uid, uid, uid)
-            for kind, i in found:
-                if kind == "sem":
-                    libc.semctl(i, 0, 0)  # IPC_RMID = 0
-                else:
-                    getattr(libc, kind + "ctl")(i, 0, None)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
-
-
 # ------------------------------------------------------------------------------------------------
 # the view: what a call can see (computed by the pool, on the host; see the module docstring)
 
@@ -607,32 +531,31 @@ DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/
 
 @functools.cache
 def view(dists=RICH_DISTS):
-    """The paths a call may see, in mount order, as ("bind", path) (read-only), ("dev", path),
-    ("symlink", target, path) and ("mask", path) (an empty read-only tmpfs over a bound directory).
+    """The paths a call may see, in mount order, as ("bind", real path, name) (read-only), ("dev", path, path),
+    ("symlink", target, name) and ("mask", path) (an empty read-only tmpfs over a bound directory).
     Raises RuntimeError naming what cannot be found."""
     import importlib.metadata
     import re
     import sysconfig
-    links, paths, missing = {}, set(), []
+    names, missing = {}, []  # {name in the sandbox: the file or directory it is on the host}
 
-    def need(path, follow=True):  # follow: also recreate the symlinks on the way (names the loader uses)
+    def need(path):
         if os.path.exists(path):
-            paths.add(_resolve(path, links) if follow else os.path.realpath(path))
+            names[os.path.normpath(path)] = os.path.realpath(path)
         else:
             missing.append(path)
 
     # 1) the interpreter, as the pool runs it (a venv's bin/python keeps its name: that is how it finds
     # pyvenv.cfg, and so its site-packages), and the standard library without its site-packages
-    exe = python()
-    need(exe)
+    need(python())
     if sys.prefix != sys.base_prefix:
         need(os.path.join(os.path.realpath(sys.prefix), "pyvenv.cfg"))
     stdlib, dynload = sysconfig.get_path("stdlib"), sysconfig.get_config_var("DESTSHARED")
-    need(stdlib, follow=False)
-    need(dynload, follow=False)
-    masks = [p for p in [os.path.join(os.path.realpath(stdlib), "site-packages")] if os.path.isdir(p)]
+    need(stdlib)
+    need(dynload)
+    masks = [p for p in [os.path.join(stdlib, "site-packages")] if os.path.isdir(p)]
     # 2) the distributions and their requirements (extras aside): the top-level entries of their RECORD
-    todo, seen, sos = list(dists), set(), []
+    todo, seen, sos = list(dists), set(), [os.path.realpath(python())]
     while todo:
         name = todo.pop()
         if name.lower() in seen:
@@ -644,96 +567,42 @@ def view(dists=RICH_DISTS):
             missing.append(f"the {name} package (pip install {name})") if name in dists else None
             continue
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
-            need(str(dist.locate_file(top)), follow=False)
-        sos += [str(dist.locate_file(f)) for f in dist.files or [] if f.parts[0] != ".." and ".so" in f.name]
+            where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
+            need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
+        sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
+                if f.parts[0] != ".." and ".so" in f.name]
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
-    # 3) the shared libraries they link from outside those trees, as the loader finds them
+    # 3) the shared libraries all of these link, as the loader finds them (one ldd over every file: ~1 s)
     if os.path.isdir(dynload):
         sos += [os.path.join(dynload, n) for n in os.listdir(dynload) if ".so" in n]
-    bundled = {os.path.basename(p) for p in sos}  # e.g. numpy.libs/libscipy_openblas64_-*.so
-    for lib in _linked([os.path.realpath(exe)] + sos, bundled):
-        need(lib)
+    try:
+        out = subprocess.run(["ldd", *sos], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+    except FileNotFoundError:
+        raise RuntimeError("sandbox: refusing to start: ldd is missing (it finds the libraries the tool needs)")
+    # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
+    for line in out.stdout.splitlines():
+        lib = line.split("=>")[-1].split("(")[0].strip()
+        if line.startswith("\t") and lib.startswith("/"):
+            need(lib)
     for p in ETC:
         os.path.exists(p) and need(p)
     for p in DEVICES:
-        need(p, follow=False)
-    need(os.path.realpath(__file__), follow=False)
+        need(p)
+    need(os.path.realpath(__file__))
     if missing:
         raise RuntimeError("sandbox: refusing to start: the tool's view lacks " + ", ".join(missing))
-    # the ops: a path inside a bound directory is already there (unless it is under a mask)
+    # the ops: a name inside a bound directory is already there (unless it is under a mask)
     under = lambda p, d: p.startswith(d + "/")  # noqa: E731
-    covered = lambda p: any(under(p, d) for d in paths) and not any(under(p, m) for m in masks)  # noqa: E731
-    ops = [("symlink", t, p) for p, t in {**links, **DEV_LINKS}.items() if not covered(p)]
-    ops += [("dev" if p in DEVICES else "bind", p) for p in paths if not covered(p)] + [("mask", m) for m in masks]
-    return tuple(sorted(ops, key=lambda op: (op[0] == "symlink", op[-1])))  # parents before children
+    covered = lambda p: any(under(p, d) for d in names) and not any(under(p, m) for m in masks)  # noqa: E731
+    ops = [("symlink", target, name) for name, target in DEV_LINKS.items()]
+    ops += [("dev" if name in DEVICES else "bind", real, name) for name, real in names.items() if not covered(name)]
+    return tuple(sorted(ops + [("mask", m) for m in masks], key=lambda op: (op[0] == "symlink", op[-1])))
 
 
 def python():
     """The interpreter the workers run: the pool's own, by its name in a real (symlink-free) directory."""
     return os.path.join(os.path.realpath(os.path.dirname(sys.executable)), os.path.basename(sys.executable))
-
-
-def _resolve(path, links):
-    """os.path.realpath(path), recording each symlink met on the way in `links` {path: target}."""
-    done, todo = "/", path.split("/")
-    for _ in range(1000):  # a loop of links ends here
-        if not todo:
-            return done
-        part = todo.pop(0)
-        if part in ("", "."):
-            continue
-        nxt = os.path.dirname(done) if part == ".." else os.path.join(done, part)
-        if part != ".." and os.path.islink(nxt):
-            links[nxt] = target = os.readlink(nxt)
-            todo = target.split("/") + todo
-            done = "/" if target.startswith("/") else done
-        else:
-            done = nxt
-    raise OSError(f"too many symlinks under {path}")
-
-
-def _linked(files, bundled):
-    """The shared libraries `files` link from outside themselves (sonames not in `bundled`), with what those
-    link in turn, as ldd resolves them. ldd runs only on a few files that together need every such soname
-    (ldd on all ~200 extension modules takes seconds); the sonames come from each file's ELF header."""
-    import subprocess
-    cover, names = [], set(bundled)
-    for f in files:
-        new = set(_elf_needed(f)) - names
-        if new:
-            cover.append(f)
-            names |= new
-    try:
-        out = subprocess.run(["ldd", *cover], capture_output=True, text=True,
-                             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}).stdout
-    except FileNotFoundError:
-        raise RuntimeError("sandbox: refusing to start: ldd is missing (it finds the libraries the tool needs)")
-    # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
-    found = (line.split("=>")[-1].split("(")[0].strip() for line in out.splitlines() if line.startswith("\t"))
-    return sorted({p for p in found if p.startswith("/") and os.path.basename(p) not in bundled})
-
-
-def _elf_needed(path):
-    """The DT_NEEDED sonames of a 64-bit little-endian ELF file; () for anything else."""
-    import mmap
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:6] != b"\x7fELF\x02\x01":
-                return ()
-            (phoff,), (phsize, phnum) = struct.unpack_from("<Q", m, 32), struct.unpack_from("<HH", m, 54)
-            loads, dyn = [], None
-            for i in range(phnum):  # program headers: PT_LOAD maps addresses to offsets, PT_DYNAMIC
-                kind, _, off, addr, _, size = struct.unpack_from("<IIQQQQ", m, phoff + i * phsize)
-                loads += [(addr, off, size)] if kind == 1 else []
-                dyn = (off, size) if kind == 2 else dyn
-            if dyn is None:
-                return ()
-            tags = [struct.unpack_from("<qQ", m, dyn[0] + i) for i in range(0, dyn[1], 16)]
-            strtab = next(v for t, v in tags if t == 5)  # DT_STRTAB (an address)
-            base = next(off + strtab - addr for addr, off, size in loads if addr <= strtab < addr + size)
-            return tuple(m[base + v:m.find(b"\0", base + v)].decode() for t, v in tags if t == 1)  # DT_NEEDED
-    except (OSError, ValueError, StopIteration, struct.error):
-        return ()
 
 
 if __name__ == "__main__":

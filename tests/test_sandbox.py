@@ -3,7 +3,8 @@ Tests for sandbox.py and sandbox_worker.py: hostile code (each test one property
 call that must still work, and a check that no process or file was left behind), what a call can see
 (secrets planted in the checkout, the run's data directory, $HOME and the host's /tmp), supervision
 (dead, wedged and overloaded workers), the async front from a background thread, the synchronous
-submit(), each isolation mode, and a 3,000-call soak.
+submit(), isolation "none", and a 3,000-call soak (tests/test_sandbox_fresh.py: every call starts from
+nothing, as root and as a normal user).
 """
 
 import asyncio
@@ -140,19 +141,14 @@ def test_hostile(pool, name, code, stdin, status, text):
     check_host_and_pool(pool, before)
 
 
-def test_call_swaps_its_dir_for_a_symlink(pool, tmp_path):
-    # where /tmp lets it (a user namespace), a call can move its own dir away and plant a link: the
-    # cleanup removes the link without following it, and the next call still gets a fresh dir
+def test_call_cannot_swap_its_dir_for_a_symlink(pool):
+    # the call's dir is its own tmpfs, mounted on a read-only /tmp: it can be neither moved nor replaced by a
+    # link, and the next call gets a fresh, empty one
     before = descendants()
     r = pool.map(["import os\nd = os.getcwd()\nos.chdir('/')\nos.rename(d, d + '-moved')\n"
                   "os.symlink('/etc', d)\nprint('swapped')"])[0]
-    assert (r.status, r.stdout) == ("ok", "swapped\n") or "Permission denied" in r.stderr, r  # root: /tmp is 755
+    assert r.status == "error" and ("Read-only" in r.stderr or "busy" in r.stderr), r
     check_host_and_pool(pool, before)
-    target = tmp_path / "target"
-    target.mkdir(mode=0o500)
-    (tmp_path / "link").symlink_to(target)
-    sandbox_worker._rmtree(str(tmp_path / "link"))
-    assert not (tmp_path / "link").exists() and target.is_dir() and target.stat().st_mode & 0o777 == 0o500
 
 
 def test_kill_parent(pool):
@@ -424,22 +420,20 @@ def test_refuses_when_the_view_breaks_an_import(monkeypatch):
     assert descendants() == procs
 
 
-def test_view_keeps_symlinks_the_loader_follows(tmp_path):
-    # a library reached through a directory link and a soname link: both links are recreated, and only
-    # the real file is bound
-    (tmp_path / "real").mkdir()
-    (tmp_path / "real" / "libx.so.1.2").write_bytes(b"")
-    (tmp_path / "real" / "libx.so.1").symlink_to("libx.so.1.2")
-    (tmp_path / "lib").symlink_to(tmp_path / "real")
-    links = {}
-    assert sandbox_worker._resolve(str(tmp_path / "lib" / "libx.so.1"), links) == str(tmp_path / "real" / "libx.so.1.2")
-    assert links == {str(tmp_path / "lib"): str(tmp_path / "real"), str(tmp_path / "real" / "libx.so.1"): "libx.so.1.2"}
-    assert "libc.so.6" in sandbox_worker._elf_needed(os.path.realpath(sys.executable))
-    assert sandbox_worker._elf_needed(__file__) == ()
+def test_view_binds_each_name_from_the_file_it_names():
+    # a library the loader reaches through links (/lib -> usr/lib, libz.so.1 -> libz.so.1.2.13) is bound from
+    # its real file under the name ldd printed: no link is re-created inside
+    ops = sandbox_worker.view()
+    binds = {op[2]: op[1] for op in ops if op[0] == "bind"}
+    assert binds and all(real == os.path.realpath(name) for name, real in binds.items())
+    ldd = subprocess.run(["ldd", os.path.realpath(sys.executable)], capture_output=True, text=True).stdout
+    libc = next(line.split("=>")[1].split("(")[0].strip() for line in ldd.splitlines() if "libc.so" in line)
+    assert libc in binds, (libc, sorted(binds))
+    assert {op[0] for op in ops} <= {"bind", "dev", "symlink", "mask"}
+    assert sorted(op[2] for op in ops if op[0] == "symlink") == sorted(sandbox_worker.DEV_LINKS)
 
 
-@pytest.mark.parametrize("isolation", ["bwrap", "unshare"])
-def test_pool_starts_from_a_checkout_under_tmp(tmp_path, isolation):
+def test_pool_starts_from_a_checkout_under_tmp(tmp_path):
     # CI and users may clone under /tmp, which is where the call's private /tmp goes: the directories
     # around the bound files are fresh ones there, and the pool must still start and stay read-only
     root = tmp_path / "checkout"
@@ -448,7 +442,7 @@ def test_pool_starts_from_a_checkout_under_tmp(tmp_path, isolation):
     for name in ("sandbox.py", "sandbox_worker.py"):
         (root / name).write_text(open(os.path.join(here, name)).read())
     code = ("from sandbox import SandboxPool\n"
-            f"with SandboxPool(workers=1, isolation={isolation!r}) as p:\n"
+            "with SandboxPool(workers=1) as p:\n"
             "    print(p.map([('print(6 * 7)', '')])[0].stdout, end='')\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.splitlines()[-1] == "42", out.stderr[-2000:]
@@ -516,31 +510,16 @@ def test_async_front_from_a_background_thread_and_overloaded():
     t.join(120)
     slow, fast, honest, in_thread = out["r"]
     assert (slow.status, slow.stdout) == ("ok", "slow\n")
-    assert fast.status == "overloaded" and 0.25 < fast.duration < 0.9 and "queue_timeout" in fast.stderr, fast
+    # answered when the worker would have taken it (after `slow`), not by a timer at 0.3 s
+    assert fast.status == "overloaded" and 0.9 < fast.duration < 2.5 and "queue_timeout" in fast.stderr, fast
     assert [r.stdout for r in honest] == ["0\n", "1\n", "4\n"]
     assert [r.status for r in in_thread] == ["ok", "overloaded"]
     assert descendants() <= before  # nothing of this pool is left (another test's process may end meanwhile)
 
 
-def test_unshare_fallback(planted):
-    before, procs = host_call_dirs(), descendants()
-    with SandboxPool(workers=1, timeout=1.0, isolation="unshare") as pool:
-        assert pool.mode == "unshare"
-        check_sees_only_the_view(pool, planted)  # the same view as bwrap's
-        rs = pool.map(["import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
-                       "open('/pwned.txt', 'w')", "import os\nprint(os.getpid(), os.getuid() != 0)",
-                       "import wave\nprint('ok')", "while True: pass",
-                       "import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(100)"])
-        assert [r.status for r in rs] == ["error", "error", "ok", "ok", "timeout", "ok"], rs
-        assert "unreachable" in rs[0].stderr and "Read-only" in rs[1].stderr
-        assert rs[2].stdout.split()[1] == "True" if ROOT else True
-        assert len(descendants() - procs) == 4  # unshare + worker, lean and rich: the setsid child is gone
-    assert descendants() == procs and not host_call_dirs() - before
-
-
 def test_submit_without_an_event_loop():
-    # the rollout engine's API: submit() from plain threads returns concurrent futures at once; the pool
-    # times out queued calls on its own loop thread (without it `fast` would wait for `slow`, then run)
+    # the rollout engine's API: submit() from plain threads returns concurrent futures at once; a call that
+    # waited past queue_timeout is answered `overloaded` when a worker takes it, and never runs
     before = descendants()
     pool = SandboxPool(workers=1, timeout=3, queue_timeout=0.3).start()
     try:
@@ -550,7 +529,7 @@ def test_submit_without_an_event_loop():
         assert isinstance(fast, concurrent.futures.Future) and skipped.cancel()
         t = time.monotonic()
         r = fast.result(timeout=5)
-        assert r.status == "overloaded" and time.monotonic() - t < 0.6 and "queue_timeout" in r.stderr, r
+        assert r.status == "overloaded" and time.monotonic() - t < 2.5 and "queue_timeout" in r.stderr, r
         assert (slow.result().status, slow.result().stdout) == ("ok", "slow\n")
         futs = [pool.submit(f"print(int(input()) ** 2)", f"{i}\n") for i in range(4)]
         assert [f.result().stdout for f in futs] == ["0\n", "1\n", "4\n", "9\n"]
@@ -590,11 +569,11 @@ def test_isolation_none_still_limits_and_cleans_up():
 
 def test_refuses_to_start_without_isolation(monkeypatch):
     procs = descendants()
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [f"/nonexistent/{mode}"])
-    with pytest.raises(RuntimeError, match=r"refusing to start.*bwrap.*unshare.*isolation='none'"):
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, view: [f"/nonexistent/{mode}"])
+    with pytest.raises(RuntimeError, match=r"refusing to start: bubblewrap is missing \(apt-get install.*isolation='none'"):
         SandboxPool(workers=1).start()
     # a wrapper that silently isolates nothing is caught by the worker's own checks
-    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, root, memory, view: [])
+    monkeypatch.setattr(sandbox, "_wrapper", lambda mode, view: [])
     with pytest.raises(RuntimeError, match="not isolated.*root holds more than the view.*pid namespace.*writable"):
         SandboxPool(workers=1, isolation="bwrap").start()
     assert descendants() == procs
@@ -686,7 +665,7 @@ def test_soak_3k_calls():
     bad = [(c, r) for c, r in zip(cases, results)
            if r.status != c[2] or (c[3] is not None and (r.stdout, r.value) != (c[3], c[4]))]
     assert not bad, f"{len(bad)} wrong answers, e.g. {bad[:3]}"
-    assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap or unshare, worker): nothing else alive
+    assert len(procs) == 2 * 2 * 2  # 2 slots x (lean, rich) x (bwrap, worker): nothing else alive
     # only its own dir (plus the top of a venv or checkout under /tmp, whose needed pieces are bound)
     bound = {op[-1].split("/")[2] for op in sandbox_worker.view() if op[-1].startswith("/tmp/")}
     assert all(r.status == "ok" and len(set(eval(r.stdout)) - bound) == 1 for r in listing), listing
@@ -711,19 +690,6 @@ def test_default_memory_limit_follows_the_release(pool):
     assert inspect.signature(SandboxPool).parameters["memory"].default == pool.memory == 256 << 20
     results = pool.map([(code, "") for code, _ in CALIBRATED], timeout=4.0)
     assert [r.status for r in results] == [status for _, status in CALIBRATED], results
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="per-slot uids need root (a normal user runs every call as itself)")
-def test_two_ranks_of_a_node_do_not_share_process_limits():
-    """Slot 0 of rank 0 and slot 0 of rank 1 each run a call holding 40 processes at the same moment: with one
-    uid for both (RLIMIT_NPROC, 64, counts a uid host-wide) one of them failed with EAGAIN."""
-    code = ("import os, time\npids = []\nfor _ in range(40):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        time.sleep(1.5)\n        os._exit(0)\n    pids.append(pid)\n"
-            "for p in pids:\n    os.waitpid(p, 0)\nprint(len(pids))")
-    with SandboxPool(workers=1, local_rank=0) as a, SandboxPool(workers=1, local_rank=1) as b:
-        futures = [a.submit(code, timeout=10.0), b.submit(code, timeout=10.0)]
-        results = [f.result() for f in futures]
-    assert [(r.status, r.stdout) for r in results] == [("ok", "40\n")] * 2, results
 
 
 IPC_MAKE = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
