@@ -1174,7 +1174,7 @@ if __name__ == "__main__":
     ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
     ap.add_argument("--efficiency", type=float, default=None,
                     help="(c) without (a): the share of the bound to simulate with (default: measure it)")
-    ap.add_argument("--isolation", default="auto", help="sandbox: auto, bwrap, unshare or none")
+    ap.add_argument("--isolation", default="auto", help="sandbox (and gpu's RL steps): auto (bubblewrap) or none (trusted code only)")
     ap.add_argument("--per_rank", type=int, default=1024, help="scale: trajectories per rank")
     ap.add_argument("--cpu", action="store_true", help="gpu: dry run on the CPU at toy sizes")
     ap.add_argument("--hbm_tbps", type=float, default=None, help="gpu: HBM TB/s (default: from the card's name)")
