@@ -120,6 +120,14 @@ def test_a_trajectory_longer_than_a_micro_batch_is_refused_at_start(tmp_path):
     assert out.returncode != 0 and "max_seq_len=512 > max_tokens_per_micro=200" in out.stderr, out.stderr
 
 
+def test_prompts_all_too_long_name_the_key(sft, tmp_path):
+    # before: ZeroDivisionError in the data order; an extra tool's schema in the prompt can do this
+    out = run("train_rl.py", "configs/tiny_rl.py", f"--model_path={sft}/sft", f"--data_path={sft}/data/rl.jsonl",
+              f"--run_dir={tmp_path}/x", "--max_prompt_tokens=20", check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "longer than max_prompt_tokens = 20" in out.stderr and "raise max_prompt_tokens" in out.stderr
+
+
 def test_eval_after_rl_and_bad_data_names_file_and_line(sft, tmp_path):
     out = run("eval.py", "configs/tiny_eval.py", f"--model_path={sft}/sft", f"--data_path={sft}/data/rl.jsonl",
               f"--out_dir={tmp_path}/ev", "--samples=2", "--max_response_tokens=96", "--tool_workers=1")
