@@ -254,10 +254,10 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 # -----------------------------------------------------------------------------
 # data for a task file: SFT traces from its trace(), and the code task's problems
 
-def task_traces(task, rows, seed, sandbox):
+def task_traces(task, rows, rng, sandbox):
     """SFT rows for a task: each row + "messages" (task.trace(row, rng), every tool message filled with the real
     answer of its call, run through task.TOOLS) + "tools" (the schemas its prompt lists, in order)."""
-    rng, out = random.Random(seed), []
+    out = []
     for row in rows:
         messages, answers = task.trace(row, rng), []
         for i, m in enumerate(messages):
@@ -395,7 +395,7 @@ if __name__ == "__main__":
         rows = read_jsonl(args.problems or os.path.join(data_dir, "train.jsonl"), required=task.COLUMNS)
         name = os.path.splitext(os.path.basename(args.task))[0]
         with SandboxPool(timeout=4.0) as pool:
-            traces = task_traces(task, rows[-args.n_sft:], args.seed, pool)  # the end of the file: RL starts at its front
+            traces = task_traces(task, rows[-args.n_sft:], random.Random(args.seed), pool)  # the end of the file: RL starts at its front
         write_jsonl(os.path.join(data_dir, f"sft_{name}.jsonl"), traces)
         print(f"wrote {len(traces)} traces to {os.path.join(data_dir, f'sft_{name}.jsonl')}")
         sys.exit(0)

@@ -3,6 +3,7 @@ from the solution), tasks/calculator.py's second tool through the engine (record
 count in p_err), the prompts of several tools / no tool against the released chat template. The few-step RL
 runs of both examples are in test_train.py (they need its tiny SFT model)."""
 import json
+import random
 import types
 from pathlib import Path
 
@@ -144,7 +145,7 @@ def test_tool_blocks_render_as_the_released_template_for_any_table():
 
 def test_traces_of_a_task_carry_the_real_tool_answers():
     rows = data.make_problems(8, seed=0, max_digits=3, max_ops=2)
-    traces = data.task_traces(CALC, rows, seed=1, sandbox=None)  # the calculator needs no sandbox
+    traces = data.task_traces(CALC, rows, random.Random(1), sandbox=None)  # the calculator needs no sandbox
     for row, trace in zip(rows, traces):
         assert trace["tools"] == [t.schema for t in CALC.TOOLS.values()]
         tool_texts = [m["content"] for m in trace["messages"] if m["role"] == "tool"]
