@@ -10,9 +10,9 @@ one GPU:             python eval.py configs/eval_aime.py --model_path=DIR --data
 8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
 
 --model_path is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
-directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line:
-{"question": "<bare problem text>", "answer": "<gold answer as a string>"} (other fields are kept and
-ignored). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
+directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line,
+with the columns of the task (--task; the default math task's: {"question": "<bare problem text>",
+"answer": "<gold answer as a string>"}; every field reaches the task's prompt and grade). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
 capacity). A rank's memory does not grow with the data file: each prompt is tokenized once, a request is
 made when a rank claims it, and a trajectory is let go once graded (written down first by the rank that
 made it, if asked); only per-trajectory summaries cross ranks, and rank 0 writes the results.
@@ -30,8 +30,9 @@ Metrics (summary.json, summary.md, printed):
                  whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
                  a tie goes to the answer sampled first among the tied ones; samples without a
                  (non-empty) answer do not vote. The vote is correct if the first sample with the
-                 winning answer is correct. The answers are the task's prediction. It is a plain string vote: answers that math-verify
-                 finds equal but that are written differently ("1/2", "0.5") are counted apart.
+                 winning answer is correct. The answers are the task's predictions (task.answer). It is
+                 a plain string vote: answers that math-verify finds equal but that are written
+                 differently ("1/2", "0.5") are counted apart.
   lengths        mean / median response tokens (everything after the prompt, tool responses included)
                  and model tokens (the sampled ones, mask 1)
   behaviour      turns and tool calls per answer, tool error ratio (calls with status invalid / error /
@@ -147,10 +148,10 @@ def metrics(groups):
 def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False,
              prompt_ids=None, on_graded=None, task=None):
     """
-    Sample `samples` trajectories for every problem (the task's rows, default tasks/math.py's {"question",
-    "answer"}; prompt_ids: their rendered prompts, if already tokenized), graded by the task's grade() with the engine's own sampling settings and tools, `budget` response tokens
-    each; under torchrun the work is shared across ranks. Memory does not grow with the number of problems:
-    requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
+    Sample `samples` trajectories for every problem (the task's rows, by default tasks/math.py's {"question",
+    "answer"}; prompt_ids: their rendered prompts, if already tokenized) with the engine's own sampling settings
+    and tools, `budget` response tokens each, graded by the task's grade(); under torchrun the work is shared
+    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
     sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """

@@ -6,9 +6,9 @@ CPU (tiny model):   python train_rl.py configs/tiny_rl.py
 resume a run:       add --resume=true (continues exactly from the latest out/<run>/step_*/)
 
 One step: take B prompts -> 2G multi-turn rollouts each (rollout.py engines, work balanced across
-ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> the task's reward (the
-default, tasks/math.py: 0/1 by math-verify, on grading.py's helpers) -> GRPO-RoC (grpo_roc.py): drop groups whose rewards are all equal, Resample-on-Correct
-2G -> G, group-normalised advantages -> token-balanced micro-batches -> the "old" log-probs (with one
+ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> the task's reward
+(tasks/math.py by default: 0/1 by math-verify, graded by grading.py) -> GRPO-RoC (grpo_roc.py): drop
+groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages -> token-balanced micro-batches -> the "old" log-probs (with one
 optimizer step per RL step, the update's own forward, detached) -> clipped token-mean policy loss ->
 AdamW -> new weights to the engines. Every step also logs how far the engine's sampling-time log-probs
 are from the trainer's (mismatch_*); tis_cap and mismatch_band correct for it (off: not in the paper).
@@ -228,7 +228,7 @@ def dump_step(step, mine, summaries):
             kind = grpo_roc.group_kind([x.meta for x in summaries[b * n_sample:(b + 1) * n_sample]])
             prompts[i] = prompts.get(i) or tokenizer.decode(t.prompt_ids)  # a group's samples share their prompt
             f.write(json.dumps({
-                "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
+                "step": step, "group": b, "sample": t.key[2], "question": problems[i].get("question"),
                 "answer": t.meta["answer"], "prompt": prompts[i], "correct": t.meta["correct"],
                 "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
                 "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"], "finish": t.finish,
