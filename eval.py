@@ -251,7 +251,7 @@ if __name__ == "__main__":
         sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
     try:
         task_module = grading.load_task(task)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         sys.exit(f"config error: {e}")
     try:
         problems = read_jsonl(data_path, required=task_module.COLUMNS)

@@ -348,14 +348,21 @@ def load_task(name):
     importable module name ("tasks.math"). See tasks/math.py for what a task defines."""
     import importlib.util
     if not name.endswith(".py"):
-        return importlib.import_module(name)
+        return _checked(importlib.import_module(name), name)
     path = name if os.path.isfile(name) else os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"task file {name!r} not found")
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return _checked(module, name)
+
+
+def _checked(task, name):
+    missing = [key for key in ("COLUMNS", "TOOLS", "prompt", "answer", "grade") if not hasattr(task, key)]
+    if missing:
+        raise ValueError(f"task {name!r} does not define {', '.join(missing)} (tasks/math.py shows what a task defines)")
+    return task
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--verify-server"]:

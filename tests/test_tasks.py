@@ -152,3 +152,11 @@ def test_traces_of_a_task_carry_the_real_tool_answers():
         assert tool_texts[-1] == f"Tool call success\nstdout: {row['answer']}\n\nexecution time: 0.01s"
         assert all(t.startswith("Tool call failure") for t in tool_texts[:-1])
     assert any(len(t["messages"]) == 6 for t in traces)  # some first make a malformed call (a quarter of them)
+
+
+def test_a_task_file_that_lacks_a_piece_is_named(tmp_path):
+    (tmp_path / "half.py").write_text("COLUMNS = ('question',)\ndef prompt(row):\n    return row['question']\n")
+    with pytest.raises(ValueError, match="does not define TOOLS, answer, grade"):
+        grading.load_task(str(tmp_path / "half.py"))
+    with pytest.raises(FileNotFoundError, match="nowhere.py"):
+        grading.load_task("tasks/nowhere.py")
