@@ -399,6 +399,10 @@ while step < steps:
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
         "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),
     }
+    # each tool the task offers: its calls per trajectory and the share of them that failed
+    for name in task_module.TOOLS:
+        statuses = [c for t in trajs for c, tool in zip(t.calls, t.call_tools) if tool == name]
+        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), err(statuses)
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
            f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "

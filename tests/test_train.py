@@ -204,3 +204,8 @@ def test_a_second_tool_is_learned_and_called(sft, tmp_path):
     failed = sum(c["status"] in agent.TOOL_ERRORS for c in calls)
     assert metrics["tool_err"] == pytest.approx(failed / len(calls))
     assert any(c["tool"] == "calculate" and c["status"] == "error" for c in calls)  # it learned to fail sometimes too
+    # and per tool: the calculator's own calls and failures, next to the Python tool's
+    calc_calls = [c for c in calls if c["tool"] == "calculate"]
+    assert metrics["tool_calls/calculate"] == pytest.approx(len(calc_calls) / len(recs))
+    assert metrics["tool_err/calculate"] == pytest.approx(sum(c["status"] == "error" for c in calc_calls) / len(calc_calls))
+    assert f"tool_err/{agent.TOOL_NAME}" in metrics
