@@ -1,5 +1,7 @@
 """
-The rStar2-Agent protocol: prompt, tool calls, tool responses, answer extraction and the 0/1 reward.
+The rStar2-Agent protocol: prompt, tool calls, tool responses, reading the answer. The tool seam (a table
+of tools, name -> Tool: schema + run) is here too; the reward runs in grading.py, a task's in its task file
+(tasks/math.py is this protocol's).
 
 Everything here is text and token ids; no model and no sandbox is imported. The format is the one the
 released rStar2-Agent-14B was trained with (tests/fixtures/rstar2_chat_template.jinja, rendered by hand):
@@ -70,7 +72,7 @@ Choices that differ from the release on purpose (none changes the form of what t
   assistant turn, outside its tool calls, and uses math-verify only (the code OR-s it with the PRIME
   grader, on the whole response), with our own guards around it: separators and spaces normalised, a
   percent read as its number, a hedge between two different numbers 0, oversized answers refused (the
-  rule is reward()'s docstring);
+  rule is grading.reward()'s docstring);
 - the reference template's quirk (an assistant message without tool calls is rendered with the user
   prefix) is not reproduced by render_conversation.
 Where we cannot be identical (the release's text depends on things we do not have):
@@ -91,18 +93,7 @@ Where we cannot be identical (the release's text depends on things we do not hav
   classes it defines pickle as they would in a script.
 """
 
-import concurrent.futures
 import json
-import logging
-import os
-import queue
-import re
-import select
-import signal
-import subprocess
-import sys
-import threading
-import time
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -149,51 +140,97 @@ TOOL_SCHEMA = {
         },
     },
 }
-# the Hermes/Qwen2.5 tool block that the template appends to the system turn
-TOOLS_TEXT = (
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    + json.dumps(TOOL_SCHEMA, ensure_ascii=False)  # what jinja's tojson gives in transformers
-    + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call>"
-)
 GENERATION_PROMPT = "<|im_start|>assistant\n<reason>"  # <reason> is forced, not sampled
 END = "<|im_end|>"  # the policy samples this itself at the end of every turn
 
-
-def prompt_text(question, system=SYSTEM_PROMPT):
-    """The full prompt string for one question, ending in the forced '<|im_start|>assistant\\n<reason>'."""
-    if not isinstance(question, str) or not isinstance(system, str):
-        raise TypeError(f"question and system must be strings, got {type(question).__name__} and {type(system).__name__}")
-    return (f"<|im_start|>system\n{system}{TOOLS_TEXT}{END}\n"
-            f"<|im_start|>user\n{USER_PREFIX}{question}{END}\n" + GENERATION_PROMPT)
-
-
-def render_prompt(tokenizer, question, system=SYSTEM_PROMPT):
-    """Token ids of prompt_text(question): where every trajectory starts."""
-    return tokenizer.encode(prompt_text(question, system), add_special_tokens=False)
-
 # -----------------------------------------------------------------------------
-# tool calls in, tool responses out
+# the tool seam: a table of tools, name -> Tool. The prompt lists their schemas, the parser accepts their
+# names, the engine runs a call with its tool's run(), and every tool answers with a sandbox Result.
+
+# The status of a tool call: the contract every tool meets (its Result's status), plus "invalid" for a call
+# that never ran. p_err (grpo_roc.penalty) and every tool-error metric count the failures, TOOL_ERRORS.
+TOOL_STATUSES = {
+    "ok": "it ran to the end (stdout, and the repr of a trailing expression as `value`)",
+    "error": "it ran and failed: an exception or a non-zero exit (stderr says what)",
+    "timeout": "it ran past its time limit and was stopped",
+    "memory": "it ran past its memory limit",
+    "crash": "it was killed by a signal",
+    "invalid": "it never ran: bad JSON, an unknown tool or bad arguments (answered with the release's text)",
+    "overloaded": "our own infrastructure was too busy to run it: not the policy's failure",
+}
+TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
+
 
 @dataclass
-class ToolCall:
-    code: str
-    stdin: str = ""
+class Tool:
+    """One tool: `schema`, the OpenAI-format function schema the prompt lists (its function.name is the name
+    the model calls it by), and `run(arguments, sandbox)`: the call's "arguments" object and the sandbox pool
+    in, a concurrent.futures.Future of a sandbox.Result (status from TOOL_STATUSES, stdout, stderr, value,
+    duration) out. A run that raises (bad arguments) is answered EXEC_ERROR + the exception's text, as the
+    release answers a tool that raises, and counts as "invalid". run() is called on the decode loop: start
+    the work and return, never wait on it."""
+    schema: dict
+    run: object
 
+    @property
+    def name(self):
+        return self.schema["function"]["name"]
 
-# the status of a tool-call record: a sandbox result's status (ok, error, timeout, memory, crash, overloaded)
-# or "invalid", a call that did not parse. The paper's p_err counts the failed ones; "overloaded" is our
-# own infrastructure being busy, not the policy's fault.
-TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
 OUTPUT_CAP = 1000  # chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
 OVERLOADED = EXEC_ERROR + "run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
 
 
-def _parse_one_call(block):
+def run_python(args, sandbox):
+    # the release's Python tool: the checks its client makes, in its order, raising what it raises
+    code, stdin = args.get("code", ""), args.get("input", "")  # arguments that are not an object: .get raises
+    if not isinstance(code, str):  # the client base64-encodes code.encode()
+        raise AttributeError(f"'{type(code).__name__}' object has no attribute 'encode'")
+    if stdin is not None and not isinstance(stdin, str):  # code-judge answers 422, the client gives up
+        raise RuntimeError(OVERLOADED[len(EXEC_ERROR):])
+    return sandbox.submit(code, stdin or "")
+
+
+PYTHON_TOOLS = {TOOL_NAME: Tool(TOOL_SCHEMA, run_python)}  # the rStar2 task's table: the one Python tool
+
+
+def tools_text(tools):
+    """The Hermes/Qwen2.5 tool block the chat template appends to the system turn, one schema a line as
+    jinja's tojson writes it in transformers; "" for an empty table (the template then writes none)."""
+    if not tools:
+        return ""
+    return ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+            + "".join("\n" + json.dumps(t.schema, ensure_ascii=False) for t in tools.values())
+            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def prompt_text(question, system=SYSTEM_PROMPT, tools=PYTHON_TOOLS, user_prefix=USER_PREFIX):
+    """The full prompt string for one question, ending in the forced '<|im_start|>assistant\\n<reason>'.
+    The defaults are the rStar2 task's: its system prompt, its Python tool and its user prefix."""
+    if not isinstance(question, str) or not isinstance(system, str):
+        raise TypeError(f"question and system must be strings, got {type(question).__name__} and {type(system).__name__}")
+    return (f"<|im_start|>system\n{system}{tools_text(tools)}{END}\n"
+            f"<|im_start|>user\n{user_prefix}{question}{END}\n" + GENERATION_PROMPT)
+
+
+def render_prompt(tokenizer, question, system=SYSTEM_PROMPT, tools=PYTHON_TOOLS):
+    """Token ids of prompt_text(question): where every trajectory starts."""
+    return tokenizer.encode(prompt_text(question, system, tools), add_special_tokens=False)
+
+# -----------------------------------------------------------------------------
+# tool calls in, tool responses out
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: object  # the call's "arguments", as the model wrote them (run() checks them)
+
+
+def _parse_one_call(block, tools):
     # returns a ToolCall, or the text the release answers instead of running anything. The checks are the
     # ones its code makes, in its order, and the messages are those of the exceptions it would raise.
     try:
@@ -203,16 +240,9 @@ def _parse_one_call(block):
         return f"Failed to decode tool call: {e}"
     if not isinstance(name, str):  # verl's FunctionCall (pydantic) refuses it, inside the same try
         return f"Failed to decode tool call: the name must be a string, not {type(name).__name__}"
-    if name != TOOL_NAME:
+    if name not in tools:
         return EXEC_ERROR + repr(name)  # a KeyError in the tools dict prints as the key's repr
-    if not isinstance(args, dict):  # e.g. the arguments object sent as a JSON string
-        return EXEC_ERROR + f"'{type(args).__name__}' object has no attribute 'get'"
-    code, stdin = args.get("code", ""), args.get("input", "")
-    if not isinstance(code, str):  # the client base64-encodes code.encode()
-        return EXEC_ERROR + f"'{type(code).__name__}' object has no attribute 'encode'"
-    if stdin is not None and not isinstance(stdin, str):  # code-judge answers 422, the client gives up
-        return OVERLOADED
-    return ToolCall(code=code, stdin=stdin or "")
+    return ToolCall(name, args)
 
 
 def _blocks(text, start, end):
@@ -225,17 +255,32 @@ def _blocks(text, start, end):
         i = e + len(end)
 
 
-def parse_tool_calls(turn_text, max_calls=1):
+def parse_tool_calls(turn_text, max_calls=1, tools=PYTHON_TOOLS):
     """
     The tool calls of a finished assistant turn: its first max_calls <tool_call>...</tool_call> blocks,
-    in order. Each item is a ToolCall to execute or a str to answer with verbatim (bad JSON, unknown
-    tool, bad arguments). Blocks beyond max_calls are dropped, and a turn without both tags has no
-    calls, as in the release. It runs on the decode loop, so it is linear in the turn's length and
-    parses only the blocks it returns.
+    in order. Each item is a ToolCall of a tool in `tools` or a str to answer with verbatim (bad JSON,
+    unknown tool). Blocks beyond max_calls are dropped, and a turn without both tags has no calls, as in
+    the release. It runs on the decode loop, so it is linear in the turn's length and parses only the
+    blocks it returns.
     """
     if max_calls < 1:
         raise ValueError(f"max_calls must be >= 1, got {max_calls}")
-    return [_parse_one_call(turn_text[a:b]) for _, (a, b) in zip(range(max_calls), _blocks(turn_text, "<tool_call>", "</tool_call>"))]
+    blocks = zip(range(max_calls), _blocks(turn_text, "<tool_call>", "</tool_call>"))
+    return [_parse_one_call(turn_text[a:b], tools) for _, (a, b) in blocks]
+
+
+def start_call(call, tools, sandbox):
+    """One item of parse_tool_calls started: (its record, the Future of its Result), or (record, None) when
+    it is answered at once (it did not parse, or its tool's run() raised): the record's output is then the
+    answer. A record: tool (its name, "" if unknown), arguments, and once answered status, output, duration."""
+    if isinstance(call, str):
+        return {"tool": "", "arguments": None, "status": "invalid", "output": call, "duration": 0.0}, None
+    rec = {"tool": call.name, "arguments": call.arguments}
+    try:
+        return rec, tools[call.name].run(call.arguments, sandbox)
+    except Exception as e:  # bad arguments: the release answers what the tool raised
+        rec.update(status="invalid", output=EXEC_ERROR + str(e), duration=0.0)
+        return rec, None
 
 
 def truncate(text, max_chars):
@@ -314,7 +359,7 @@ def read_tool_call(call, i):
     return fn["name"], args
 
 
-def conversation_segments(messages):
+def conversation_segments(messages, tools=PYTHON_TOOLS):
     """
     Split a conversation into (text, mask) pieces in rollout order: the prompt (0), each assistant turn
     after its forced <reason> (1), each group of tool responses with the next forced prefix (0).
@@ -334,7 +379,7 @@ def conversation_segments(messages):
         system, i = messages[0]["content"], 1
     if i >= len(messages) or messages[i]["role"] != "user":
         raise ValueError(f"message {i}: expected the user question")
-    segments = [(prompt_text(messages[i]["content"], system), 0)]
+    segments = [(prompt_text(messages[i]["content"], system, tools), 0)]
     i += 1
     pending = 0  # tool calls of the last assistant turn still waiting for their tool messages
     while i < len(messages):
@@ -376,25 +421,19 @@ def conversation_segments(messages):
     return segments
 
 
-def render_conversation(tokenizer, messages):
-    """(ids, mask) for SFT, built exactly like a rollout: mask is 1 on the tokens the policy would sample."""
+def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
+    """(ids, mask) for SFT, built exactly like a rollout: mask is 1 on the tokens the policy would sample.
+    tools: the table whose schemas the prompt lists (the default: the rStar2 task's Python tool)."""
     ids, mask = [], []
-    for text, m in conversation_segments(messages):
+    for text, m in conversation_segments(messages, tools):
         piece = tokenizer.encode(text, add_special_tokens=False)
         ids += piece
         mask += [m] * len(piece)
     return ids, mask
 
 # -----------------------------------------------------------------------------
-# answer extraction and the 0/1 reward
+# reading the answer (grading.py scores it)
 
-MAX_ANSWER_CHARS = 1000  # a longer answer is refused unread (0): math-verify's time grows with it
-MAX_DEPTH = 10  # so is one nested deeper in ( [ { (\left( included): math-verify's parser is exponential in it
-_ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
-# a thousands separator: a space of any kind, \, \; \: "\ " ~ or {,} between a digit and a group of three
-_SEPARATOR_RE = re.compile(r"(?<=\d)(?:\s|\\[,;: ]|~|\{,\})(?=\d{3}(?!\d))")
-# the relations that say "equals": an answer whose sides hold two different values is a hedge
-_RELATION_RE = re.compile(r":=|\\coloneqq|=|\\(?:approxeq|approx|equiv|simeq|sim|cong|doteq)(?![A-Za-z])|[≈≡≃≅]")
 _ZERO = {"reward": 0.0, "answers": 0, "pred": None}  # a grade that could not be made
 
 
@@ -435,15 +474,20 @@ def count_answers(text):
     return sum(1 for turn in _pieces(text) for p in turn for _ in _blocks(p, "<answer>", "</answer>"))
 
 
-def extract_answer(text):
-    """The content of the last \\boxed{...} (balanced braces) inside the last <answer> block of the final
-    turn (a text is one turn; of a list of sampled turns, the last), outside its tool calls; else None.
-    An answer written in an earlier turn, or in a tool call's code, is not the final answer."""
+def answer_block(text):
+    """The content of the last <answer> block of the final turn (a text is one turn; of a list of sampled
+    turns, the last), outside its tool calls; else None. An answer written in an earlier turn, or in a tool
+    call's code, is not the final answer."""
     final = (_pieces(text) or [[]])[-1]
     blocks = [p[a:b] for p in final for a, b in _blocks(p, "<answer>", "</answer>")]
-    if not blocks:
+    return blocks[-1] if blocks else None
+
+
+def extract_answer(text):
+    """The content of the last \\boxed{...} (balanced braces) inside answer_block(text); else None."""
+    block = answer_block(text)
+    if block is None:
         return None
-    block = blocks[-1]
     start = block.rfind("\\boxed{")
     if start < 0:
         return None
@@ -461,291 +505,3 @@ def extract_answer(text):
     return None  # unbalanced
 
 
-def _normalise(s):
-    # zero-width characters out, thousands separators out, the percent sign out, any space -> one " "
-    s = _SEPARATOR_RE.sub("", s.translate(_ZERO_WIDTH))
-    return " ".join(re.sub(r"\\text\{\\%\}|\\?%", "", s).split())
-
-
-def _plain_int(s):
-    # '-0012' -> '-12', '+0' -> '0'; None if s is not a plain integer (linear: "0*(\d+)" would backtrack)
-    m = re.fullmatch(r"([+-]?)(\d+)", s.strip())
-    if m is None:
-        return None
-    digits = m.group(2).lstrip("0") or "0"
-    return ("-" if m.group(1) == "-" and digits != "0" else "") + digits
-
-
-def _too_big(s):
-    if len(s) > MAX_ANSWER_CHARS:
-        return True
-    depth = 0
-    for c in s:
-        depth += (c in "([{") - (c in ")]}")
-        if depth > MAX_DEPTH:
-            return True
-    return False
-
-
-def _talk(proc, data, timeout):
-    # send data to a helper and read its one-line answer, all within timeout seconds and never blocking past
-    # it (writes are non-blocking: a stopped helper leaves the pipe full); None if it is late or gone
-    end, out, poll = time.monotonic() + timeout, b"", select.poll()
-    poll.register(proc.stdout, select.POLLIN)
-    if data:
-        poll.register(proc.stdin, select.POLLOUT)
-    try:
-        while not out.endswith(b"\n"):
-            events = poll.poll(max(0.0, end - time.monotonic()) * 1000)
-            if not events:
-                return None
-            for fd, _ in events:
-                if fd == proc.stdout.fileno():
-                    chunk = os.read(fd, 64)
-                    if not chunk:  # it died
-                        return None
-                    out += chunk
-                else:
-                    data = data[os.write(fd, data):]
-                    if not data:
-                        poll.unregister(fd)
-    except OSError:  # broken pipe: it died
-        return None
-    return out
-
-
-def _verify(gold, answer):
-    # in the helper: math-verify's verdict, then the hedge check: the sides of the answer's relations that
-    # are numbers (sympy's is_number: not x, m + n or f(2)) must all be equal
-    from math_verify import parse, verify
-    box = lambda s: parse("\\boxed{" + s + "}", parsing_timeout=None)  # noqa: E731
-    g, p = box(gold), box(answer)
-    if not (g and p and verify(g, p, timeout_seconds=None)):
-        return False
-    numbers = [q for q in map(box, _RELATION_RE.split(answer)) if q and getattr(q[0], "is_number", False)]
-    return all(verify(numbers[0], q, timeout_seconds=None) for q in numbers[1:])
-
-
-def _serve_verifier(parent):
-    # the helper (this file run with --verify-server <pid>): one JSON [gold, answer] per line in, "1" or "0"
-    # per line out. It dies with the thread that started it, even a SIGKILLed one (the kernel's
-    # PR_SET_PDEATHSIG: no thread of ours needs to be scheduled, and C-level sympy work holds the GIL)
-    if sys.platform == "linux":
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the prctl
-        return
-    import math_verify  # noqa: F401  (the slow import, before "ready")
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings: we know
-    out, sys.stdout = sys.stdout, sys.stderr  # nothing but answers goes down the pipe
-    out.write("ready\n")
-    out.flush()
-    for line in sys.stdin:
-        try:
-            ok = _verify(*json.loads(line))
-        except Exception:
-            ok = False
-        out.write("1\n" if ok else "0\n")
-        out.flush()
-
-
-def reward(response_text, gold, timeout=5.0):
-    """
-    1.0 if the final answer of response_text (a text, or a list of sampled turns) equals gold, else 0.0.
-    The rule, in order:
-    1. the answer is the content of the last \\boxed{} inside the last <answer>...</answer> block of the
-       final assistant turn, outside its tool-call blocks (extract_answer); none -> 0;
-    2. answer and gold are normalised: zero-width characters dropped, thousands separators between a
-       digit and a group of three dropped (1\\,000, 1 000, 1~000, 1{,}000, a no-break or thin space:
-       1000), the percent sign dropped (700\\% reads 700: it equals the golds 700 and 700\\%, not 7),
-       runs of spaces of any kind made one " " and the ends stripped;
-    3. an answer over MAX_ANSWER_CHARS characters or nested deeper than MAX_DEPTH is refused: 0;
-    4. the same text, or the same plain integer (-0012 = -12), is 1 without math-verify;
-    5. otherwise math-verify (gold and answer each wrapped in \\boxed{}) decides, except that an answer
-       relating two different numbers is a hedge and gets 0: the sides of its =, :=, \\approx, \\equiv,
-       \\sim, ... that are numbers must all be equal (per math-verify). 8 = 7 and 7 \\approx 8 are 0 for
-       gold 7 (math-verify alone says 1: it reads one side of each); x = 7, m + n = 7, f(2) = 7 and
-       \\frac{14}{2} = 7 are 1 (a side with a name in it is not a number); \\frac{1}{3} \\approx 0.333 is 0
-       for gold 1/3 (math-verify does not take 0.333 for 1/3 either, 0.333333 it does). math-verify reads
-       the right side of =, so 7 = x is 0 for gold 7.
-    Verification that takes longer than timeout seconds is 0. One call starts its own math-verify helper
-    (a few seconds) when step 5 is reached: to grade many, use a Grader's reward().
-    """
-    g = Grader(None, timeout=timeout, helpers=1)
-    try:
-        return g.reward(response_text, gold)
-    finally:
-        g.close()
-
-
-class Grader:
-    """
-    The engine's on_finish callback: grades each finished trajectory on a pool of background threads, so
-    the decode loop never waits for math-verify (the paper's §3.1 verifies asynchronously too). The answer
-    is read from the sampled turns only (reward() has the rule). A trajectory cut by the response budget
-    gets reward 0 without being read (paper §4.3.1: truncated rollouts are kept with a negative outcome, a
-    signal against rambling) unless score_truncated, the released code's rule (it grades the text whatever
-    the finish).
-
-    Each grading thread owns one math-verify helper process (this file run with --verify-server), started
-    the first time it needs one: math-verify's own timeouts use signal.alarm, which fails off the main
-    thread and cannot interrupt long C-level sympy/bigint work, so the helper runs without them and is
-    killed when it overruns. helpers=None sizes the pool from the cores: cpus // LOCAL_WORLD_SIZE, 1 to 4
-    (a helper is ~60 MB: 8 ranks of 4 are ~2 GB a node; integer answers never start one). A thread that
-    calls reward() itself gets its own helper too, which dies when that thread ends.
-    Every grade is bounded, whatever the helper does: verification gets timeout seconds (a late, stopped or
-    dead helper is killed and replaced, the grade is 0); a helper gets start_timeout seconds to start, and
-    after a failed start no helper starts for 5 * start_timeout (grades that need one are 0 at once);
-    results() gives up on a grade still running 2 * timeout seconds after it began (plus start_timeout
-    while it starts a helper), scores it 0 and replaces its thread and helper. The helpers die with the
-    process (or with close()).
-    """
-
-    def __init__(self, tokenizer, score_truncated=False, timeout=5.0, helpers=None, start_timeout=60.0):
-        self.tok, self.score_truncated = tokenizer, score_truncated
-        self.timeout, self.start_timeout = timeout, start_timeout
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        self.size = helpers or max(1, min(4, (os.cpu_count() or 1) // local))
-        self.jobs, self.threads, self.pending = queue.SimpleQueue(), [], {}
-        self.procs, self.deadline = {}, {}  # thread id -> its helper / when its grade is late
-        self.down_until = 0.0  # no helper starts before this: the last start failed
-        self.lock = threading.Lock()
-        self.counts = dict.fromkeys(("timed_out", "refused", "failed", "helper_starts", "helper_start_failures"), 0)
-        self.stats = {}
-
-    def __call__(self, traj):
-        # everything, decoding included, on the grading threads: the engine only hands the trajectory over
-        while len(self.threads) < self.size:
-            self._add_thread()
-        fut = self.pending[traj.key] = concurrent.futures.Future()
-        self.jobs.put((fut, (traj.response_ids, traj.mask, traj.finish, traj.meta["answer"])))
-        return fut  # its grade: eval.py lets the trajectory go once it is done
-
-    def _add_thread(self):
-        t = threading.Thread(target=self._work, name="grader", daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def _work(self):
-        me = threading.get_ident()
-        while (job := self.jobs.get()) is not None:
-            fut, args = job
-            self.deadline[me] = time.monotonic() + 2 * self.timeout
-            fut.thread = me  # results() reads its deadline
-            try:
-                out = self.grade(*args)
-            except Exception:
-                self._count("failed")
-                out = dict(_ZERO)
-            fut.set_result(out)
-
-    def _count(self, key):
-        with self.lock:
-            self.counts[key] += 1
-
-    def grade(self, ids, mask, finish, gold):
-        turns = sampled_turns(self.tok, ids, mask)
-        graded = finish != "length" or self.score_truncated
-        return {"reward": self.reward(turns, gold) if graded else 0.0, "answers": count_answers(turns),
-                "pred": extract_answer(turns)}
-
-    def reward(self, response_text, gold):
-        """agent.reward's rule, in the calling thread, with that thread's helper; stats count what it met."""
-        if not isinstance(gold, str):
-            raise ValueError(f"gold answer must be a string, got {type(gold).__name__}: {gold!r}")
-        answer = extract_answer(response_text)
-        if not answer:  # None or empty
-            return 0.0
-        answer, gold = _normalise(answer), _normalise(gold)
-        if _too_big(answer):
-            self._count("refused")
-            return 0.0
-        if answer == gold:
-            return 1.0
-        a, g = _plain_int(answer), _plain_int(gold)
-        if a is not None and g is not None:  # integer vs integer needs no sympy
-            return float(a == g)
-        proc = self._helper()
-        if proc is None:
-            self._count("failed")
-            return 0.0
-        line = _talk(proc, (json.dumps([gold, answer]) + "\n").encode(), self.timeout)
-        if line not in (b"1\n", b"0\n"):  # late, stopped or dead: replace it
-            self._count("timed_out")
-            self._stop(threading.get_ident())
-        return float(line == b"1\n")
-
-    def _helper(self):
-        # the calling thread's helper, started if need be; None if it cannot be had
-        me = threading.get_ident()
-        proc = self.procs.get(me)
-        if proc is not None and proc.poll() is None:
-            return proc
-        self._stop(me)
-        if time.monotonic() < self.down_until:  # a start failed lately: fail fast
-            return None
-        self.deadline[me] = time.monotonic() + self.start_timeout + 2 * self.timeout
-        self._count("helper_starts")
-        # started from this thread: its own session (a Ctrl-C reaches only the caller), dies with it
-        proc = self.procs[me] = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--verify-server", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
-        os.set_blocking(proc.stdin.fileno(), False)
-        if _talk(proc, b"", self.start_timeout) == b"ready\n":  # the sympy import happens here
-            return proc
-        self._count("helper_start_failures")
-        self._stop(me)
-        self.down_until = time.monotonic() + 5 * self.start_timeout
-        print(f"grader: the math-verify helper did not start within {self.start_timeout:.0f} s (is math-verify "
-              f"installed?); answers that need it score 0 for {5 * self.start_timeout:.0f} s", file=sys.stderr)
-        return None
-
-    def _stop(self, ident):
-        proc = self.procs.pop(ident, None)
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-
-    def results(self):
-        """
-        Waits for the grades of the trajectories handed over since the last call, each within its bound
-        (the class docstring): {key: {"reward", "answers", "pred"}}. Then self.stats holds what happened
-        since the last call:
-            wait_s                 seconds this call waited (grading that the rollout did not hide)
-            timed_out              grades scored 0 because verification passed timeout (the helper was
-                                   killed and replaced) or the grade passed its bound here (its thread
-                                   and helper replaced)
-            refused                answers scored 0 unread: longer than MAX_ANSWER_CHARS or nested
-                                   deeper than MAX_DEPTH
-            failed                 grades scored 0 because no helper could be had (a failed start, or
-                                   the pause after one) or grading raised
-            helper_starts          helper processes started (the first ones of the run included)
-            helper_start_failures  starts that did not say "ready" within start_timeout
-        """
-        t0, out = time.monotonic(), {}
-        for key, fut in self.pending.items():
-            while not fut.done():
-                ident = getattr(fut, "thread", None)
-                if ident is not None and time.monotonic() > self.deadline[ident]:  # stuck: give up on it
-                    self._count("timed_out")
-                    self._stop(ident)
-                    self._add_thread()
-                    break
-                concurrent.futures.wait([fut], timeout=0.1)
-            out[key] = fut.result() if fut.done() else dict(_ZERO)
-        self.pending = {}
-        with self.lock:
-            self.stats = {**self.counts, "wait_s": time.monotonic() - t0}
-            self.counts = dict.fromkeys(self.counts, 0)
-        return out
-
-    def close(self):
-        """Stops the grading threads and kills the helpers (a process that just exits needs no close)."""
-        for _ in self.threads:
-            self.jobs.put(None)
-        for ident in list(self.procs):
-            self._stop(ident)
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--verify-server"]:
-    _serve_verifier(int(sys.argv[2]))

@@ -83,6 +83,7 @@ import torch.nn.functional as F
 import transformers
 
 import agent
+import grading
 import data
 import rollout
 import sandbox
@@ -876,7 +877,7 @@ def update_step(model, reps, n=64, prompt=60, response=40):
 
 def grading(tok, reps, prompts=8, samples=16):
     """(g) one tiny RL step's rollouts whose answers need math-verify (fractions), graded inline in the engine's
-    on_finish vs by agent.Grader off the decode loop; the end of the timing is every grade in hand."""
+    on_finish vs by grading.Grader off the decode loop; the end of the timing is every grade in hand."""
     qs = [f"What is {i} / {i + 7}?" for i in range(1, prompts + 1)]
     golds = [f"\\frac{{{i}}}{{{i + 7}}}" for i in range(1, prompts + 1)]
     answers = [tok.encode(f"<reason>r</reason>\n<answer>\\boxed{{\\frac{{{2 * i}}}{{{2 * (i + 7)}}}}}</answer>"
@@ -899,16 +900,16 @@ def grading(tok, reps, prompts=8, samples=16):
     engine = Forced(model, tok, kv_capacity=prompts * samples * 600, max_len=600)
     reqs = lambda: [Request(agent.render_prompt(tok, q), key=(0, i, s), meta={"answer": golds[i]})  # noqa: E731
                     for i, q in enumerate(qs) for s in range(samples)]
-    agent.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
+    grading.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
 
     def inline():
         grades = []
         engine.run(iter_claim(reqs()), 64, lambda t: grades.append(
-            agent.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
+            grading.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
         assert grades == [1.0] * len(qs) * samples
 
     def off_loop():
-        grader = agent.Grader(tok)
+        grader = grading.Grader(tok)
         engine.run(iter_claim(reqs()), 64, grader)
         assert [r["reward"] for r in grader.results().values()] == [1.0] * len(qs) * samples
     (a, b), rounds = medians([inline, off_loop], reps)

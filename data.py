@@ -20,6 +20,15 @@ This module makes, offline and from a seed:
 
 CPU command (about a minute):  python data.py prepare --out=out/tiny-base --seed=0
 
+For a task file (README "Fork it"), two more commands:
+
+    python data.py traces --task=tasks/calculator.py --n_sft=2000     # SFT traces from the task's trace(row, rng)
+    python data.py code-set                                           # tasks/code.py's tiny problem set
+
+`traces` runs every tool call of the traces through the task's own tool table (the sandbox for Python), so
+the tool messages are the real answers, and writes rows with "tools": the schemas the task's prompt lists
+(train_sft.py's "rstar2" format renders them).
+
 It also converts benchmark files you downloaded yourself (we never download) into eval.py's and
 train_rl.py's JSONL, {"question", "answer"(, "id")}:
 
@@ -266,6 +275,41 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 
 
 # -----------------------------------------------------------------------------
+# data for a task file: SFT traces from its trace(), and the code task's problems
+
+def task_traces(task, rows, rng, sandbox):
+    """SFT rows for a task: each row + "messages" (task.trace(row, rng), every tool message filled with the real
+    answer of its call, run through task.TOOLS) + "tools" (the schemas its prompt lists, in order)."""
+    out = []
+    for row in rows:
+        messages, answers = task.trace(row, rng), []
+        for i, m in enumerate(messages):
+            # each call of an assistant turn runs as a rollout would run it; its answer goes to the next tool message
+            for call in m.get("tool_calls") or []:
+                name, args = agent.read_tool_call(call, i)
+                rec, future = agent.start_call(agent.ToolCall(name, args), task.TOOLS, sandbox)
+                answers.append(rec["output"] if future is None else agent.tool_response_text(future.result()))
+            if m["role"] == "tool":
+                m["content"] = answers.pop(0)
+        out.append(dict(row, messages=messages, tools=[t.schema for t in task.TOOLS.values()]))
+    return out
+
+
+def code_problems(n, seed, n_tests=4):
+    """n rows of tasks/code.py: "Write a Python function f(x) that returns x * 482 - 66." with n_tests hidden
+    tests [[x], f(x)] each (the tiny arithmetic, now as a function of x)."""
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < n:
+        expr = "x" + "".join(f" {rng.choice('+-*')} {rng.randint(1, 999)}" for _ in range(rng.randint(1, 2)))
+        if expr in seen:
+            continue
+        seen.add(expr)
+        tests = [[[x], eval(expr, {"x": x})] for x in rng.sample(range(-99, 1000), n_tests)]  # our ints and + - * only
+        rows.append({"question": f"Write a Python function f(x) that returns {expr}.", "entry": "f", "tests": tests})
+    return rows
+
+
+# -----------------------------------------------------------------------------
 # the benchmark converter
 
 # the instruction DAPO-Math-17k wraps around every problem (its original rows, and its Processed copies)
@@ -483,7 +527,9 @@ if __name__ == "__main__":
             sys.exit(f"rl-set error: {e}")
         sys.exit(0)
     parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
-    parser.add_argument("command", choices=["prepare"])
+    parser.add_argument("command", choices=["prepare", "traces", "code-set"])
+    parser.add_argument("--task", default="tasks/math.py", help="traces: the task file whose trace() and tools to use")
+    parser.add_argument("--problems", default="", help="traces: the rows to trace (default: data_dir/train.jsonl)")
     parser.add_argument("--out", default="out/tiny-base", help="model + tokenizer directory")
     parser.add_argument("--data_dir", default=None, help="JSONL directory (default: data/ next to --out)")
     parser.add_argument("--seed", type=int, default=0)
@@ -496,6 +542,26 @@ if __name__ == "__main__":
     parser.add_argument("--max_ops", type=int, default=2)
     args = parser.parse_args()
     from sandbox import SandboxPool
+    data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
+    if args.command == "code-set":
+        rows = code_problems(args.n_train + args.n_heldout, args.seed)
+        write_jsonl(os.path.join(data_dir, "code_train.jsonl"), rows[:args.n_train])
+        write_jsonl(os.path.join(data_dir, "code_heldout.jsonl"), rows[args.n_train:])
+        print(f"{data_dir}: code_train {args.n_train}, code_heldout {args.n_heldout}")
+        sys.exit(0)
+    if args.command == "traces":
+        from common import read_jsonl
+        from grading import load_task
+        task = load_task(args.task)
+        if not hasattr(task, "trace"):
+            sys.exit(f"traces error: {args.task} has no trace(row, rng) to write traces from")
+        rows = read_jsonl(args.problems or os.path.join(data_dir, "train.jsonl"), required=task.COLUMNS)
+        name = os.path.splitext(os.path.basename(args.task))[0]
+        with SandboxPool(timeout=4.0) as pool:
+            traces = task_traces(task, rows[-args.n_sft:], random.Random(args.seed), pool)  # the end of the file: RL starts at its front
+        write_jsonl(os.path.join(data_dir, f"sft_{name}.jsonl"), traces)
+        print(f"wrote {len(traces)} traces to {os.path.join(data_dir, f'sft_{name}.jsonl')}")
+        sys.exit(0)
     # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
     with SandboxPool(timeout=4.0) as pool:
         prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,

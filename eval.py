@@ -10,9 +10,9 @@ one GPU:             python eval.py configs/eval_aime.py --model_path=DIR --data
 8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
 
 --model_path is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
-directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line:
-{"question": "<bare problem text>", "answer": "<gold answer as a string>"} (other fields are kept and
-ignored). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
+directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line,
+with the columns of the task (--task; the default math task's: {"question": "<bare problem text>",
+"answer": "<gold answer as a string>"}; every field reaches the task's prompt and grade). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
 capacity). A rank's memory does not grow with the data file: each prompt is tokenized once, a request is
 made when a rank claims it, and a trajectory is let go once graded (written down first by the rank that
 made it, if asked); only per-trajectory summaries cross ranks, and rank 0 writes the results.
@@ -20,6 +20,8 @@ made it, if asked); only per-trajectory summaries cross ranks, and rank 0 writes
 Benchmark files (AIME, MATH-500, the release's parquet) become that JSONL with `python data.py convert`.
 
 Metrics (summary.json, summary.md, printed):
+  correct        what the task's grade says (tasks/math.py: reward 1); the reward (in [0, 1]) is training's, and a
+                 partial reward is not "correct" unless the task says so
   avg@k          mean over problems of the fraction of its k samples that are correct (= pass@1);
                  avg@k_se is the standard error of that mean over problems (sample std / sqrt(P))
   pass@j         the unbiased estimator 1 - C(n-c, j) / C(n, j) (Chen et al. 2021), mean over problems,
@@ -27,9 +29,10 @@ Metrics (summary.json, summary.md, printed):
   maj@k          majority vote over the k extracted answers: answers are normalised by removing all
                  whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
                  a tie goes to the answer sampled first among the tied ones; samples without a
-                 (non-empty) answer do not vote. The vote is correct if the reward of the first sample
-                 with the winning answer is 1. It is a plain string vote: answers that math-verify
-                 finds equal but that are written differently ("1/2", "0.5") are counted apart.
+                 (non-empty) answer do not vote. The vote is correct if the first sample with the
+                 winning answer is correct. The answers are the task's predictions (task.answer). It is
+                 a plain string vote: answers that math-verify finds equal but that are written
+                 differently ("1/2", "0.5") are counted apart.
   lengths        mean / median response tokens (everything after the prompt, tool responses included)
                  and model tokens (the sampled ones, mask 1)
   behaviour      turns and tool calls per answer, tool error ratio (calls with status invalid / error /
@@ -64,6 +67,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import agent
+import grading
 from rollout import Request
 from scheduler import Lazy, gather, generate, summarize
 
@@ -107,13 +111,13 @@ def metrics(groups):
     trajs = [t for g in groups for t in g]
     per_problem = []
     for i, g in enumerate(groups):
-        c = sum(t.meta["reward"] > 0 for t in g)
+        c = sum(bool(t.meta["correct"]) for t in g)
         win = majority_vote([t.meta["pred"] for t in g])
         calls = [s for t in g for s in t.calls]
         per_problem.append({
-            "index": i, "gold": g[0].meta["answer"], "samples": k, "correct": c, "accuracy": c / k,
+            "index": i, "gold": g[0].meta.get("answer"), "samples": k, "correct": c, "accuracy": c / k,
             "maj_answer": None if win is None else g[win].meta["pred"],
-            "maj_correct": 0.0 if win is None else float(g[win].meta["reward"] > 0),
+            "maj_correct": 0.0 if win is None else float(g[win].meta["correct"]),
             "answers": [t.meta["pred"] for t in g],
             "mean_length": statistics.fmean(t.n_response for t in g),
             "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
@@ -144,28 +148,30 @@ def metrics(groups):
 
 
 def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False,
-             prompt_ids=None, on_graded=None):
+             prompt_ids=None, on_graded=None, task=None):
     """
-    Sample `samples` trajectories for every problem ({"question", "answer"} dicts; prompt_ids: their rendered
-    prompts, if already tokenized) with the engine's own sampling settings and tools, `budget` response tokens
-    each; under torchrun the work is shared across ranks. Memory does not grow with the number of problems:
-    requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
+    Sample `samples` trajectories for every problem (the task's rows, by default tasks/math.py's {"question",
+    "answer"}; prompt_ids: their rendered prompts, if already tokenized) with the engine's own sampling settings
+    and tools, `budget` response tokens each, graded by the task's grade(); under torchrun the work is shared
+    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
     sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
+    task = task or grading.load_task("tasks/math.py")
     if prompt_ids is None:
-        prompt_ids = [agent.render_prompt(tokenizer, p["question"]) for p in problems]
+        prompt_ids = [tokenizer.encode(task.prompt(p), add_special_tokens=False) for p in problems]
     requests = Lazy(len(problems) * samples, lambda j: Request(
         list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
-        meta={"answer": problems[j // samples]["answer"]}))
+        meta={"answer": problems[j // samples].get("answer"), "problem": j // samples}))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     # under torchrun the bar counts this rank's trajectories only, so it has no total
     bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
                unit="traj", dynamic_ncols=True)
-    grader = agent.Grader(tokenizer, score_truncated)  # grades off the decode loop
+    # grades off the decode loop, by the task's rule, on its rows
+    grader = grading.Grader(tokenizer, score_truncated, task=task, rows=problems, sandbox=engine.tools)
     waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
 
     def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
@@ -188,7 +194,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     trajs = sorted((s for part in gather(summaries) for s in part), key=lambda s: s.key)
     summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
     for row, p in zip(per_problem, problems):
-        row.update({"id": p["id"]} if "id" in p else {}, question=p["question"])
+        row.update({"id": p["id"]} if "id" in p else {}, question=p.get("question"))
     return summary, per_problem
 
 
@@ -215,7 +221,8 @@ if __name__ == "__main__":
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
     model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
-    data_path = ""  # JSONL with "question" and "answer"
+    data_path = ""  # JSONL with the task's columns (the math task: "question" and "answer")
+    task = "tasks/math.py"  # the task file: prompt, tools, grade (tasks/math_no_tool.py: the same without the tool)
     out_dir = "out/eval"
     samples = 16  # k samples per problem
     temperature = 0.6
@@ -252,7 +259,11 @@ if __name__ == "__main__":
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
     try:
-        problems = read_jsonl(data_path, required=("question", "answer"))
+        task_module = grading.load_task(task)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"config error: {e}")
+    try:
+        problems = read_jsonl(data_path, required=task_module.COLUMNS)
     except ValueError as e:
         sys.exit(f"data error: {e}")
     if limit < 0 or samples < 1:
@@ -264,7 +275,8 @@ if __name__ == "__main__":
         sys.exit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
-    prompt_ids = [np.asarray(agent.render_prompt(tokenizer, p["question"]), np.int32) for p in problems]
+    prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32)
+                  for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
         sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
@@ -285,8 +297,8 @@ if __name__ == "__main__":
 
     def write(t):  # train_rl.py's dump record (view.py reads both), + "pred"; written by the rank that made it
         dump.write(json.dumps({
-            "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]]["question"],
-            "answer": t.meta["answer"], "prompt": tokenizer.decode(t.prompt_ids),
+            "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]].get("question"),
+            "answer": t.meta["answer"], "correct": t.meta["correct"], "prompt": tokenizer.decode(t.prompt_ids),
             "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
             "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
             "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
@@ -297,10 +309,11 @@ if __name__ == "__main__":
                      isolation=tool_isolation) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
-                        max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars)
+                        max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
+                        tool_table=task_module.TOOLS)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
-                                        on_graded=write if save_trajectories else None)
+                                        on_graded=write if save_trajectories else None, task=task_module)
     wall = time.time() - t0
     summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg,
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # rank 0's

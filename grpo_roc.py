@@ -7,7 +7,7 @@ Pure math on tensors and plain records (imports torch only). One RL step uses it
     for each kept group:                                                 # 2G rollouts -> G
         p = [penalty(calls, failed_calls, answers, turns) for each rollout]
         idx = resample_on_correct(rewards[g], torch.tensor(p), G, generator)
-    adv = advantages(kept_rewards)                                       # (num_groups, G)
+    adv = advantages(kept_rewards, "std", positives(rewards[g])[idx])   # (num_groups, G)
     w = loss_weights(sampled_tokens, questions, "token")                 # one weight per trajectory
     loss = policy_loss(logprobs, old_logprobs, w * adv, mask)            # clipped, over N sampled tokens
 
@@ -20,7 +20,8 @@ Why each piece (paper §2.2):
    p_err + p_format, so correct answers reached through tool errors or with repeated <answer> tags are
    less often reinforced. The reward itself stays a pure 0/1 outcome (Eq. 3): penalising tool errors in
    the reward would discourage exploration.
-3. advantages are group-normalised over the G kept rollouts only (Eq. 7), one scalar per trajectory.
+3. advantages are group-normalised over the G kept rollouts only (Eq. 7), one scalar per trajectory
+   (other estimators: adv_scale, below).
 4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), with no KL and no entropy term.
    Tool-output tokens have mask 0 and never contribute. Normalisation: Eq. 6 divides each question's
    token sum by that question's token count (1/sum|o_i| inside the expectation over questions); the
@@ -31,7 +32,8 @@ Why each piece (paper §2.2):
 The loss's three knobs, each one key in train_rl.py (the defaults are the paper's; configs/dr_grpo.py and
 configs/gspo.py set the others):
 - advantage scale (adv_scale): "std" divides by the group's std (Eq. 7), "none" only subtracts the mean
-  (Dr. GRPO, Liu et al. 2025: the std up-weights groups that are nearly all right or all wrong);
+  (Dr. GRPO, Liu et al. 2025: the std up-weights groups that are nearly all right or all wrong), "batch"
+  divides by the std of the whole batch (see ADVANTAGES);
 - loss divisor (loss_norm, via loss_weights): "token" (every sampled token of the mini-batch weighs the
   same), "group" (Eq. 6: every question the same), "sequence" (every trajectory the same: GRPO's original
   1/|o_i|, and GSPO's), "constant" (Dr. GRPO: trajectories x max response tokens, so a long response's
@@ -40,9 +42,23 @@ configs/gspo.py set the others):
   ratio per trajectory, the geometric mean of its tokens' ratios, clipped as a whole; with its own much
   smaller eps, 3e-4 / 4e-4).
 
-Rewards may lie anywhere in [0, 1] (a task's partial credit, e.g. the share of unit tests passed). RoC's
-positives are then the trajectories whose reward is above their group's mean (the ones the update will
-reinforce, A > 0) or 1. With 0/1 rewards that is exactly reward 1, the paper's rule.
+Rewards may lie anywhere in [0, 1] (a task's partial credit, e.g. the share of unit tests passed), and a
+task says separately whether an answer is correct (what eval's avg@k and the metrics count). The rule for
+rewards that are not 0/1, one for RoC, the advantages and the labels:
+- RoC's positives are the rollouts whose reward is above the mean of their group's 2G, or 1 (positives());
+  with 0/1 rewards exactly the reward-1 ones, the paper's rule. Negatives are the rest.
+- a kept rollout's advantage never contradicts its side: Eq. 7 over the G kept, then a kept positive's
+  A = max(A, 0) and a kept negative's A = min(A, 0). Over the kept G the mean moves, so with 0 / 0.5 / 1
+  rewards a kept positive of 0.5 can sit below the kept mean (2.8% of simulated groups): it is then not
+  pushed down, only not reinforced. With 0/1 rewards nothing changes (a kept 1 is never below the kept
+  mean, a kept 0 never above it). Without RoC (plain GRPO) there are no sides and no such bound.
+- a group whose 2G rewards are all equal is dropped (no signal, whatever the value); the dump labels it
+  "all_correct" when every rollout is correct, else "all_wrong"; any other group is "mixed" (group_kind()).
+- metrics about correct answers (tool_err_pos: tool errors in correct trajectories) use `correct`.
+
+Advantage estimators (adv_scale), one function each in ADVANTAGES: "std" group-normalised (Eq. 7), "none"
+group mean only (Dr. GRPO), "batch" centred per group and scaled by the std over the whole batch (REINFORCE++'s
+global normalisation). A new one is one function and one entry.
 
 Deviations from plain GRPO, and where the paper and the released code differ (both are available):
 - mode="sample" (default) is the paper's RoC rule, mode="deterministic" the released code's.
@@ -119,7 +135,7 @@ def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_
     _check_rewards(rewards, "rewards")
     if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
-    above = (rewards > rewards.mean()) | (rewards == 1)  # what the update reinforces (A > 0), or perfect
+    above = positives(rewards)  # the ones the update reinforces (A >= 0: the module docstring's rule)
     pos = above.nonzero().flatten()  # (n_pos,) rollout order
     neg = (~above).nonzero().flatten()  # (n_neg,)
     if mode == "sample":
@@ -175,21 +191,67 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
     return pos[torch.sort(pos_penalties, stable=True).indices[:k_pos]], neg[:k_neg]
 
 
-def advantages(rewards, scale="std", eps=1e-6):
+def positives(rewards):
+    """RoC's positives of one group's rewards (..., 2G): above the group's mean, or 1 (0/1 rewards: the 1s)."""
+    return (rewards > rewards.mean(dim=-1, keepdim=True)) | (rewards == 1)
+
+
+def group_kind(grades):
+    """The label of one group's 2G grades (dicts with reward and correct): "mixed" when the rewards differ
+    (the group trains), else "all_correct" when every one is correct, else "all_wrong"."""
+    if len({g["reward"] for g in grades}) > 1:
+        return "mixed"
+    return "all_correct" if all(g["correct"] for g in grades) else "all_wrong"
+
+
+def adv_group_std(rewards, eps=1e-6):
+    """Eq. 7: A_i = (r_i - mean(r)) / (std(r) + eps) over each group's G kept rollouts; std is the unbiased
+    one (torch.std, as verl's GRPO estimator). A uniform group gets A = 0."""
+    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def adv_group_mean(rewards, eps=1e-6):
+    """Dr. GRPO: A_i = r_i - mean(r) over the group, no division by the std (which up-weights groups that are
+    nearly all right or all wrong)."""
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def adv_batch_std(rewards, eps=1e-6):
+    """Centred per group, scaled by the std of all the centred values of the batch (REINFORCE++'s global
+    normalisation): every group's advantages are on one scale, a nearly uniform group stays small."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (centred.std() + eps) if centred.numel() > 1 else centred
+
+
+ADVANTAGES = {"std": adv_group_std, "none": adv_group_mean, "batch": adv_batch_std}  # the adv_scale key's values
+LOSS_NORMS = ("token", "group", "sequence", "constant")  # the loss_norm key's values (loss_weights)
+RATIO_LEVELS = ("token", "sequence")  # the ratio_level key's values (policy_loss's seq_ids)
+
+
+def check_loss_config(adv_scale, loss_norm, ratio_level):
+    """The loss's three keys, checked in one place; raises ValueError naming the key."""
+    for key, value, allowed in (("adv_scale", adv_scale, tuple(ADVANTAGES)), ("loss_norm", loss_norm, LOSS_NORMS),
+                                ("ratio_level", ratio_level, RATIO_LEVELS)):
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+
+
+def advantages(rewards, scale="std", positive=None):
     """
-    Group-normalised advantages (paper Eq. 7): A_i = (r_i - mean(r)) / (std(r) + eps) over the G kept
-    rollouts of each group. std is the unbiased one (torch.std, as verl's GRPO estimator). A uniform
-    group gets A = 0. Each value is broadcast to every token of its trajectory by policy_loss.
-    scale="none": A_i = r_i - mean(r), Dr. GRPO's (no division by the std).
+    One advantage per kept rollout, by the estimator ADVANTAGES[scale] (default: Eq. 7, group-normalised
+    over the G kept). Each value is broadcast to every token of its trajectory by policy_loss.
+    positive: (num_groups, G) bool, RoC's side of each kept rollout (positives() of its 2G group); a
+    positive's advantage is then max(A, 0), a negative's min(A, 0) (the module docstring's rule).
 
     rewards: (num_groups, G) float tensor. Returns the same shape.
     """
-    if rewards.dim() != 2 or rewards.size(1) < 2 or scale not in ("std", "none"):
-        raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale 'std' or 'none', got shape "
-                         f"{tuple(rewards.shape)} and {scale!r}")
-    rewards = rewards.float()
-    centred = rewards - rewards.mean(dim=1, keepdim=True)  # (num_groups, G)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps) if scale == "std" else centred
+    if rewards.dim() != 2 or rewards.size(1) < 2 or scale not in ADVANTAGES:
+        raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale one of {tuple(ADVANTAGES)}, got "
+                         f"shape {tuple(rewards.shape)} and {scale!r}")
+    adv = ADVANTAGES[scale](rewards.float())  # (num_groups, G)
+    if positive is None:
+        return adv
+    return torch.where(positive, adv.clamp(min=0.0), adv.clamp(max=0.0))
 
 
 def loss_weights(sampled, questions, norm, max_tokens=None):

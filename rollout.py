@@ -269,15 +269,16 @@ class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
                  prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None,
-                 deterministic=False):
+                 deterministic=False, tool_table=agent.PYTHON_TOOLS):
         """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
         share of a row's response budget promised to it at admission (1 = the whole budget, no
         over-commit), or "auto": a share that follows what the run's rows use (Pager); max_rows: most
         rows at once (default: as many reservations of reserve x max_len as the pool holds; auto: one
         per page, so pass the rank's share of a step's rollouts: an engine holding more at once takes
         them from engines that would run them sooner); page_size: tokens per page (flash-attn needs a
-        multiple of 256; 16 elsewhere)."""
-        self.model, self.tok, self.tools = model, tokenizer, tools
+        multiple of 256; 16 elsewhere). tools: the sandbox pool; tool_table: the task's tools, name ->
+        agent.Tool (a call runs as tool_table[name].run(arguments, tools))."""
+        self.model, self.tok, self.tools, self.tool_table = model, tokenizer, tools, tool_table
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
         self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
@@ -475,22 +476,17 @@ class Engine:
             t.finish = "stop"
             return
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does
-        calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls)
+        calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls,
+                                       self.tool_table)
         if not calls:
             t.finish = "stop"
         elif t.turns >= self.max_turns:
             t.finish = "max_turns"
         else:
-            # park the row (its KV stays) and dispatch its calls; the pool answers on its own thread
-            row.state, row.calls = TOOLS, []
-            for c in calls:
-                # a malformed call is answered with the error text, never dropped: no future to wait on
-                if isinstance(c, str):
-                    rec = {"code": "", "stdin": "", "status": "invalid", "output": c, "duration": 0.0}
-                    row.calls.append((rec, None))
-                else:
-                    rec = {"code": c.code, "stdin": c.stdin}
-                    row.calls.append((rec, tools.submit(c.code, c.stdin)))
+            # park the row (its KV stays) and dispatch each call to its tool by name; the tools answer on their
+            # own threads. A malformed call is answered with the error text, never dropped: no future
+            row.state = TOOLS
+            row.calls = [agent.start_call(c, self.tool_table, tools) for c in calls]
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):

@@ -92,12 +92,13 @@ class Summary:
     n_prompt: int
     n_response: int  # tokens after the prompt, tool responses included
     n_sampled: int  # tokens the policy sampled (mask 1)
+    call_tools: list = field(default_factory=list)  # the tool each call named ("" when it did not parse)
     rl: dict = field(default_factory=dict)  # what GRPO-RoC decided: penalty, advantage (kept)
 
 
 def summarize(t):
     return Summary(t.key, t.meta, t.turns, t.finish, [c["status"] for c in t.tool_calls], len(t.prompt_ids),
-                   len(t.response_ids), sum(t.mask))
+                   len(t.response_ids), sum(t.mask), call_tools=[c.get("tool", "") for c in t.tool_calls])
 
 
 def gather(obj):

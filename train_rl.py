@@ -6,9 +6,9 @@ CPU (tiny model):   python train_rl.py configs/tiny_rl.py
 resume a run:       add --resume=true (continues exactly from the latest out/<run>/step_*/)
 
 One step: take B prompts -> 2G multi-turn rollouts each (rollout.py engines, work balanced across
-ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> 0/1 reward (agent.py,
-math-verify) -> GRPO-RoC (grpo_roc.py): drop groups whose rewards are all equal, Resample-on-Correct
-2G -> G, group-normalised advantages -> token-balanced micro-batches -> the "old" log-probs (with one
+ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> the task's reward
+(tasks/math.py by default: 0/1 by math-verify, graded by grading.py) -> GRPO-RoC (grpo_roc.py): drop
+groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages -> token-balanced micro-batches -> the "old" log-probs (with one
 optimizer step per RL step, the update's own forward, detached) -> clipped token-mean policy loss ->
 AdamW -> new weights to the engines. Every step also logs how far the engine's sampling-time log-probs
 are from the trainer's (mismatch_*); tis_cap and mismatch_band correct for it (off: not in the paper).
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import agent
+import grading
 import grpo_roc
 from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
                     load_trainable, load_trainer_state, pack, print0, read_jsonl, resolve_model,
@@ -56,7 +57,8 @@ from scheduler import exchange, gather_summaries, generate
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
 model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
-data_path = "out/data/train.jsonl"  # JSONL with "question" and "answer"
+data_path = "out/data/train.jsonl"  # JSONL with the task's columns (the math task: "question" and "answer")
+task = "tasks/math.py"  # the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
 run_dir = "out/tiny-rl"
 resume = False  # continue from the latest checkpoint in run_dir
 data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
@@ -95,7 +97,7 @@ eps_high = 0.28
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
-adv_scale = "std"  # advantages divided by the group's std (Eq. 7), or "none" (Dr. GRPO)
+adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr. GRPO), "batch"
 loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
 max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
@@ -119,10 +121,11 @@ if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split 
     print0("deterministic=true on several ranks: rollout_split = 'static'")
 # -----------------------------------------------------------------------------
 
-for key, value, allowed in (("adv_scale", adv_scale, ("std", "none")), ("ratio_level", ratio_level, ("token", "sequence")),
-                            ("loss_norm", loss_norm, ("token", "group", "sequence", "constant"))):
-    if value not in allowed:
-        raise SystemExit(f"config error: {key} must be one of {allowed}, got {value!r}")
+try:
+    grpo_roc.check_loss_config(adv_scale, loss_norm, ratio_level)
+    task_module = grading.load_task(task)
+except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"config error: {e}")
 if max_prompt_tokens + max_response_tokens > max_tokens_per_micro:  # a whole trajectory in one micro-batch
     raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_prompt_tokens + max_response_tokens} "
                      f"> max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
@@ -132,14 +135,18 @@ ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 try:
-    problems = read_jsonl(data_path, required=("question", "answer"))
+    problems = read_jsonl(data_path, required=task_module.COLUMNS)
 except ValueError as e:  # names the file and line
     raise SystemExit(f"data error: {e}")
-# each prompt tokenized once, kept as int32 (a Python list of ints takes ~9x the memory: 42K prompts, every rank)
-prompt_ids = [np.asarray(agent.render_prompt(tokenizer, p["question"]), np.int32) for p in problems]
+# each prompt rendered by the task and tokenized once, kept as int32 (a Python list of ints takes ~9x the
+# memory: 42K prompts, every rank)
+prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32) for p in problems]
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
 print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
+if not data:
+    raise SystemExit(f"config error: every prompt of {data_path} is longer than max_prompt_tokens = {max_prompt_tokens} "
+                     f"(the shortest has {min(map(len, prompt_ids), default=0)} tokens): raise max_prompt_tokens")
 
 
 @functools.lru_cache(maxsize=2)
@@ -218,12 +225,11 @@ def dump_step(step, mine, summaries):
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
         for t in mine:
             b, i, s = t.key[1], t.meta["problem"], by_key[t.key]
-            rs = {x.meta["reward"] for x in summaries[b * n_sample:(b + 1) * n_sample]}
-            kind = "mixed" if len(rs) > 1 else "all_correct" if rs == {1.0} else "all_wrong"
+            kind = grpo_roc.group_kind([x.meta for x in summaries[b * n_sample:(b + 1) * n_sample]])
             prompts[i] = prompts.get(i) or tokenizer.decode(t.prompt_ids)  # a group's samples share their prompt
             f.write(json.dumps({
-                "step": step, "group": b, "sample": t.key[2], "question": problems[i]["question"],
-                "answer": t.meta["answer"], "prompt": prompts[i],
+                "step": step, "group": b, "sample": t.key[2], "question": problems[i].get("question"),
+                "answer": t.meta["answer"], "prompt": prompts[i], "correct": t.meta["correct"],
                 "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
                 "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"], "finish": t.finish,
                 "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind, "penalty": s.rl.get("penalty"),
@@ -246,10 +252,12 @@ tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=t
                     isolation=tool_isolation).start()
 max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
-grader = agent.Grader(tokenizer, score_truncated)  # rewards off the decode loop
+# the task's rewards, off the decode loop
+grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
                 seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic)
+                tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic,
+                tool_table=task_module.TOOLS)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
@@ -260,7 +268,7 @@ while step < steps:
     sync_policy()
     batch = [prompt_at(cursor + i) for i in range(prompts_per_step)]
     cursor += prompts_per_step
-    requests = [Request(p.tolist(), key=(step, b, s), meta={"answer": problems[i]["answer"], "problem": i})
+    requests = [Request(p.tolist(), key=(step, b, s), meta={"answer": problems[i].get("answer"), "problem": i})
                 for b, (i, p) in enumerate(batch) for s in range(n_sample)]
     mine = generate(engine, requests, max_response_tokens, rollout_split, grader, counter=f"rl/{step}")
     t_rollout = time.perf_counter() - t0
@@ -278,7 +286,7 @@ while step < steps:
     rewards = torch.tensor([[t.meta["reward"] for t in g] for g in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    kept, kept_rewards = [], []
+    kept, kept_rewards, kept_positive = [], [], []
     for g in keep_groups.tolist():
         idx = list(range(n_sample))
         if roc:
@@ -289,11 +297,14 @@ while step < steps:
                 t.rl["penalty"] = p
         kept.append([groups[g][i] for i in idx])
         kept_rewards.append(rewards[g, idx])
+        kept_positive.append(grpo_roc.positives(rewards[g])[idx])
     t_train, t_exchange = time.perf_counter(), 0.0
     stats = {}
     mism = {k: torch.zeros((), device=device) for k in ("abs", "max", "k3", "out", "n")}
     if kept:
-        advs = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale).flatten().tolist()
+        # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
+        advs = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale,
+                                   torch.stack(kept_positive) if roc else None).flatten().tolist()
         kept = [t for g in kept for t in g]
         for t, a in zip(kept, advs):
             t.rl["advantage"] = a  # also marks it kept, for the dump
@@ -361,7 +372,7 @@ while step < steps:
             dist.all_reduce(mism[k], op=dist.ReduceOp.MAX if k == "max" else dist.ReduceOp.SUM)
     n_loss = max(1.0, float(mism["n"]))
     calls = [c for t in trajs for c in t.calls]
-    pos_calls = [c for t in trajs if t.meta["reward"] > 0 for c in t.calls]
+    pos_calls = [c for t in trajs if t.meta["correct"] for c in t.calls]  # the calls of correct trajectories
     err = lambda cs: n_failed(cs) / max(1, len(cs))  # noqa: E731
     metrics = {
         "reward": rewards.mean().item(),
@@ -381,13 +392,17 @@ while step < steps:
         "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
         "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
         # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
-        # answers too long or nested too deep to parse, no helper to be had (agent.Grader.results)
+        # answers too long or nested too deep to parse, no helper to be had, the task's grade raised (grading.Grader.results)
         "grade_timed_out": grader.stats["timed_out"], "grade_refused": grader.stats["refused"],
         "grade_failed": grader.stats["failed"],
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
         "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),
     }
+    # each tool the task offers: its calls per trajectory and the share of them that failed
+    for name in task_module.TOOLS:
+        statuses = [c for t in trajs for c, tool in zip(t.calls, t.call_tools) if tool == name]
+        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), err(statuses)
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
            f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "

@@ -14,8 +14,10 @@ assistant reply without tool calls. tools: the JSON schemas of the functions the
 
 Each file of the mix declares how it is rendered, data_mix = [(path, format, weight), ...]:
   "rstar2"  agent.render_conversation: the rStar2-Agent protocol exactly as an RL rollout builds its
-            tokens (the Python tool only, the answer-format user prefix, replies starting with <reason>;
-            the mask is 1 on what the policy samples). "tools" must be absent. The tiny run's data.
+            tokens (the answer-format user prefix, replies starting with <reason>; the mask is 1 on what
+            the policy samples). "tools", if given, are the schemas the prompt lists, in order (a task's
+            tools: `python data.py traces --task=...` writes such files); absent, agent.py's Python tool.
+            The tiny run's data.
   "chat"    the tokenizer's own chat template (or the file in chat_template): any roles, turns and
             tools. The mask is 1 on each assistant message's tokens, found from the template itself:
             where it has {% generation %} markers, from those (return_assistant_tokens_mask); otherwise
@@ -146,14 +148,18 @@ def parse(line, fmt):
     if not isinstance(row, dict) or "messages" not in row:
         raise ValueError('expected a JSON object with "messages"')
     if fmt == "rstar2":
-        if "tools" in row:
-            raise ValueError('an "rstar2" conversation has agent.py\'s one Python tool: leave "tools" out, '
-                             'or declare the file as "chat"')
+        tools = row.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+                for t in tools)):
+            raise ValueError('"tools" must be a list of schemas {"type": "function", "function": {"name": ...}}')
+        # the prompt's tool table: the schemas only (nothing runs in SFT)
+        table = agent.PYTHON_TOOLS if tools is None else {t["function"]["name"]: agent.Tool(t, None) for t in tools}
         try:
-            agent.conversation_segments(row["messages"])
+            agent.conversation_segments(row["messages"], table)
         except (TypeError, AttributeError) as e:
             raise ValueError(f"malformed messages ({e})") from None
-        return row["messages"], None
+        return row["messages"], table
     return check_chat(row["messages"], row.get("tools")), row.get("tools")
 
 
@@ -180,7 +186,7 @@ def load(tokenizer, f, path, fmt, row):
     try:
         messages, tools = parse(f.readline(), fmt)
         if fmt == "rstar2":
-            return agent.render_conversation(tokenizer, messages)
+            return agent.render_conversation(tokenizer, messages, tools)
         return render_chat(tokenizer, messages, tools)
     except ValueError as e:
         raise ValueError(f"{path}:{row[1]}: {e}") from None

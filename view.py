@@ -65,6 +65,16 @@ def load(path):
     return records, metrics
 
 
+def call_view(call):
+    """What the page shows of one tool-call record: status, duration, tool, and the Python tool's code and stdin
+    (another tool's arguments as JSON in their place)."""
+    args = call.get("arguments")
+    python = isinstance(args, dict) and set(args) <= {"code", "input"}
+    code = args.get("code") if python else json.dumps(args, ensure_ascii=False) if args is not None else call.get("code")
+    return {"status": call.get("status"), "duration": call.get("duration"), "tool": call.get("tool", ""),
+            "code": code, "stdin": args.get("input") if python else call.get("stdin")}
+
+
 def page_data(records):
     """Groups of samples in (step, group, sample) order, with only what the page shows."""
     groups = {}
@@ -78,11 +88,13 @@ def page_data(records):
             runs = [None] * len(r["segments"])
         g["samples"].append({
             "sample": r["sample"], "reward": r["reward"], "finish": r["finish"], "turns": r["turns"],
+            # the task's verdict (dumps before it had one: math's 0/1 reward)
+            "correct": bool(r.get("correct", r["reward"] >= 1)),
             "kept": r.get("kept"), "penalty": r.get("penalty"), "advantage": r.get("advantage"),
             "tokens": len(mask), "model_tokens": sum(mask),
             "segments": [[text, m, n] for (text, m), n in zip(r["segments"], runs)],
             # the tool output is already in the text (a mask-0 segment); the code is shown unescaped
-            "calls": [{k: c.get(k) for k in ("status", "duration", "code", "stdin")} for c in r["tool_calls"]]})
+            "calls": [call_view(c) for c in r["tool_calls"]]})
     return list(groups.values())
 
 
@@ -189,7 +201,7 @@ pre { white-space: pre-wrap; word-break: break-word; font: 11.5px/1.35 ui-monosp
 const D = JSON.parse(document.getElementById('data').textContent);
 const ERR = new Set(D.errors);
 const TEST = {  // the filters; a sample shows when it passes every active one
-  correct: s => s.reward > 0, wrong: s => !(s.reward > 0), truncated: s => s.finish === 'length',
+  correct: s => s.correct, wrong: s => !s.correct, truncated: s => s.finish === 'length',
   'tool error': s => s.calls.some(c => ERR.has(c.status)),
   kept: s => s.kept === true, dropped: s => s.kept === false};
 const OTHER = {correct: 'wrong', wrong: 'correct', kept: 'dropped', dropped: 'kept'};  // exclusive pairs
@@ -206,7 +218,7 @@ const fmt = x => x === null || x === undefined ? '-' : (+x).toFixed(2);
 const pass = s => [...active].every(f => TEST[f](s));
 
 function sampleView(g, s) {
-  const ok = s.reward > 0;
+  const ok = s.correct;
   const box = el('div', 's' + (ok ? ' ok' : '') + (s.kept === false ? ' dropped' : ''));
   let head = `#${s.sample} ${ok ? '✓' : '✗'} · ${s.finish} · ${s.turns} turns · ` +
     `${s.tokens} tok (${s.model_tokens} sampled)`;
@@ -227,7 +239,7 @@ function sampleView(g, s) {
     const calls = el('div', 'calls');
     s.calls.forEach((c, i) => {
       const d = el('details');
-      d.append(el('summary', ERR.has(c.status) ? 'err' : '', `call ${i + 1}: ${c.status} ${fmt(c.duration)}s`),
+      d.append(el('summary', ERR.has(c.status) ? 'err' : '', `call ${i + 1}${c.tool ? ' (' + c.tool + ')' : ''}: ${c.status} ${fmt(c.duration)}s`),
                el('pre', '', c.code || '(no code)'));
       if (c.stdin) d.appendChild(el('pre', '', 'stdin: ' + c.stdin));
       calls.appendChild(d);

@@ -13,6 +13,7 @@ import pytest
 
 import agent
 import data
+import grading
 from sandbox import SandboxPool
 
 REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
@@ -41,12 +42,14 @@ def call(code, **extra):
 # prompt and tool turns == the reference template
 
 
+@pytest.mark.release
 def test_constants_match_reference():
     assert agent.TOOL_SCHEMA == SCHEMA
     assert list(agent.TOOL_SCHEMA["function"]) == list(SCHEMA["function"])  # key order shows in the prompt
     assert agent.SYSTEM_PROMPT in TEMPLATE
 
 
+@pytest.mark.release
 @pytest.mark.parametrize("question", ["What is 12 * 34?", "Find $x$ if \\frac{x}{2} = {3}.\nExplain.", "√2 ≈ ?  {}"])
 def test_prompt_matches_reference(tok, question):
     messages = [{"role": "user", "content": question}]
@@ -68,6 +71,7 @@ def release_tool_turn(tok, texts):
     return turn[len(system):]
 
 
+@pytest.mark.release
 def test_tool_suffix_matches_release(tok):
     for texts in (["5"], ["5", "Tool call success\nstdout: 7\n\nexecution time: 0.01s"]):
         assert agent.tool_suffix_ids(tok, texts) == release_tool_turn(tok, texts)
@@ -88,8 +92,8 @@ def test_tool_suffix_matches_release(tok):
     assert tok.decode(suffix) == agent.tool_suffix_text(["5", "7"])
     assert suffix[0] == tok.convert_tokens_to_ids("<|im_start|>") and suffix[-1] == tok.convert_tokens_to_ids("<reason>")
     # the calls the template rendered parse back to the same code and stdin
-    parsed = agent.parse_tool_calls(turn_text, max_calls=2)
-    assert parsed == [agent.ToolCall("print(2 + 3)", ""), agent.ToolCall("x = input()\nprint(x)", "7")]
+    parsed = [started(c) for c in agent.parse_tool_calls(turn_text, max_calls=2)]
+    assert parsed == [("print(2 + 3)", ""), ("x = input()\nprint(x)", "7")]
     with pytest.raises(ValueError, match="non-empty"):
         agent.tool_suffix_ids(tok, [])
 
@@ -97,6 +101,7 @@ def test_tool_suffix_matches_release(tok):
 # SFT rendering
 
 
+@pytest.mark.release
 def test_render_conversation_ids_and_mask(tok):
     final = "<reason>done</reason>\n<answer>\\boxed{5}</answer>"
     messages = [{"role": "user", "content": "What is 2 + 3?"},
@@ -171,15 +176,35 @@ OK_CALL = {"name": agent.TOOL_NAME, "arguments": {"code": "print(1)", "input": "
 RETRIES = "Error when executing tool: run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
 
 
+class Submits:
+    """A sandbox pool that only records what it was asked to run: submit(code, stdin) -> (code, stdin)."""
+    def submit(self, code, stdin=""):
+        return code, stdin
+
+
+def started(call, tools=agent.PYTHON_TOOLS):
+    """One parsed call through agent.start_call: (code, stdin) it ran, or the text it was answered with."""
+    rec, run = agent.start_call(call, tools, Submits())
+    assert (run is None) == (rec.get("status") == "invalid")
+    return rec["output"] if run is None else run
+
+
+def answered(text, max_calls=1):
+    return [started(c) for c in agent.parse_tool_calls(text, max_calls)]
+
+
+@pytest.mark.release
 def test_parse_tool_calls():
-    assert agent.parse_tool_calls("<reason>a</reason>\n" + block(OK_CALL) + "<|im_end|>") == [agent.ToolCall("print(1)", "x")]
+    assert answered("<reason>a</reason>\n" + block(OK_CALL) + "<|im_end|>") == [("print(1)", "x")]
+    (call,) = agent.parse_tool_calls(block(OK_CALL))
+    assert call == agent.ToolCall(agent.TOOL_NAME, {"code": "print(1)", "input": "x"})
     assert agent.parse_tool_calls("no call here") == []
     # the release runs what it can: missing "code" runs empty code, missing or null "input" is no stdin
     def args(a):
         return block({"name": agent.TOOL_NAME, "arguments": a})
-    assert agent.parse_tool_calls(args({"code": "1"})) == [agent.ToolCall("1", "")]
-    assert agent.parse_tool_calls(args({"code": "1", "input": None})) == [agent.ToolCall("1", "")]
-    assert agent.parse_tool_calls(args({"input": "5"})) == [agent.ToolCall("", "5")]
+    assert answered(args({"code": "1"})) == [("1", "")]
+    assert answered(args({"code": "1", "input": None})) == [("1", "")]
+    assert answered(args({"input": "5"})) == [("", "5")]
     # what the release answers instead (tool_parser.py, rstar2_agent_loop.py _call_tool, code_judge_tool.py):
     # the text of the exception its code raises
     answers = {
@@ -199,23 +224,24 @@ def test_parse_tool_calls():
         args({"code": "1", "input": 3}): RETRIES,  # code-judge refuses the request (422) until the client gives up
     }
     for text, want in answers.items():
-        assert agent.parse_tool_calls(text) == [want], text
-    (out,) = agent.parse_tool_calls(block({"name": 3, "arguments": {}}))
+        assert answered(text) == [want], text
+    (out,) = answered(block({"name": 3, "arguments": {}}))
     assert out.startswith("Failed to decode tool call: ")
     with pytest.raises(ValueError, match="max_calls"):
         agent.parse_tool_calls("", max_calls=0)
 
 
+@pytest.mark.release
 def test_surplus_and_unclosed_calls():
     # only the first max_calls blocks count (verl's max_parallel_calls = 1): the rest get no answer at all
     three = block(OK_CALL) + "\n" + block("{bad") + block(OK_CALL)
-    assert agent.parse_tool_calls(three, max_calls=1) == [agent.ToolCall("print(1)", "x")]
-    out = agent.parse_tool_calls(three, max_calls=2)
-    assert out[0] == agent.ToolCall("print(1)", "x") and out[1].startswith("Failed to decode") and len(out) == 2
+    assert answered(three, max_calls=1) == [("print(1)", "x")]
+    out = answered(three, max_calls=2)
+    assert out[0] == ("print(1)", "x") and out[1].startswith("Failed to decode") and len(out) == 2
     assert len(agent.parse_tool_calls(three, max_calls=5)) == 3
     # an unclosed <tool_call> is not a call: after a closed one it is ignored, alone the turn has no calls
     # (so the trajectory ends there)
-    assert agent.parse_tool_calls(block(OK_CALL) + '<tool_call>\n{"name": ', max_calls=2) == [agent.ToolCall("print(1)", "x")]
+    assert answered(block(OK_CALL) + '<tool_call>\n{"name": ', max_calls=2) == [("print(1)", "x")]
     assert agent.parse_tool_calls('<reason>a</reason>\n<tool_call>\n{"name": "x", "arguments": {}}<|im_end|>') == []
     assert agent.parse_tool_calls("</tool_call> then <tool_call>") == []
 
@@ -236,7 +262,8 @@ def test_surplus_calls_get_no_record():
                     tools=tools, max_calls_per_turn=1)
     (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 300)
     assert tools.calls == ["print(64)"]
-    assert [c["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0]["status"] == "ok"
+    assert [c["arguments"]["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0]["status"] == "ok"
+    assert t.tool_calls[0]["tool"] == agent.TOOL_NAME
     assert tok.decode(t.response_ids).count("<tool_response>") == 1 and t.finish == "stop"
 
 
@@ -314,6 +341,7 @@ def bpe():
     return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
+@pytest.mark.release
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_tool_turn_token_identical_to_release(tok, bpe, kind):
     res, fields = KINDS[kind]
@@ -325,6 +353,7 @@ def test_tool_turn_token_identical_to_release(tok, bpe, kind):
     assert agent.tool_response_text(res) == want
 
 
+@pytest.mark.release
 def test_tool_response_text():
     assert agent.tool_response_text(result("ok", stdout="42\n")) == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
     # the same run gives the same text, however long it took (else no exact resume)
@@ -341,6 +370,7 @@ def test_tool_response_text():
         agent.tool_response_text(result("weird"))
 
 
+@pytest.mark.release
 def test_tool_response_text_of_real_runs():
     # the sandbox's own results for each kind map as the table above says
     with SandboxPool(workers=1, timeout=1.0) as pool:
@@ -354,6 +384,7 @@ def test_tool_response_text_of_real_runs():
     assert agent.tool_response_text(empty) == "Tool call success\nexecution time: 0.01s"
 
 
+@pytest.mark.release
 def test_tool_response_text_through_the_sandbox_is_the_release_text():
     # end to end: code run in the real sandbox, worded by the formatter, against the release's text for the
     # same code (its harness's stdout/stderr, checked by running it; tests/test_sandbox.py has the cases).
@@ -372,7 +403,7 @@ def test_tool_response_text_through_the_sandbox_is_the_release_text():
 
 @pytest.fixture(scope="module")
 def grader():
-    g = agent.Grader(None)  # one math-verify helper for this thread, kept across the tests
+    g = grading.Grader(None)  # one math-verify helper for this thread, kept across the tests
     yield g
     g.close()
 
@@ -429,7 +460,7 @@ def test_reward(grader):
     assert grader.reward("<answer>\\boxed{110}</answer> <answer>\\boxed{7}</answer>", "110") == 0.0
     with pytest.raises(ValueError, match="gold answer must be a string"):
         grader.reward("<answer>\\boxed{1}</answer>", 1)
-    assert agent.reward(boxed("\\frac{2}{4}"), "0.5") == 1.0  # the one-shot function: its own helper
+    assert grading.reward(boxed("\\frac{2}{4}"), "0.5") == 1.0  # the one-shot function: its own helper
 
 
 def test_hedges_score_zero(grader):
@@ -474,9 +505,9 @@ def test_answers_beyond_the_limits_are_refused(grader):
         t0 = time.time()
         assert grader.reward(boxed(bomb), "\\frac{1}{2}") == 0.0
         assert time.time() - t0 < 1.0, bomb[:20]
-    assert agent.reward(boxed("1" * 50_000), "1" * 50_000) == 0.0  # even the right one: too long to be an answer
-    assert not agent._too_big("(" * agent.MAX_DEPTH + "1" + ")" * agent.MAX_DEPTH)
-    assert not agent._too_big("1" * agent.MAX_ANSWER_CHARS)
+    assert grading.reward(boxed("1" * 50_000), "1" * 50_000) == 0.0  # even the right one: too long to be an answer
+    assert not grading._too_big("(" * grading.MAX_DEPTH + "1" + ")" * grading.MAX_DEPTH)
+    assert not grading._too_big("1" * grading.MAX_ANSWER_CHARS)
     grader.results()
     assert grader.stats["refused"] == 5 and grader.stats["timed_out"] == 0
 
@@ -491,7 +522,7 @@ def test_readers_are_linear():
                     (agent.count_answers, "</answer>" + "<answer>" * n),
                     (agent.extract_answer, "<answer>" * n + "\\boxed{" * n + "</answer>"),
                     (agent.extract_answer, "<tool_call>" * n + "<answer>\\boxed{1}</answer>"),
-                    (agent._plain_int, "0" * 200_000 + "x")]:
+                    (grading._plain_int, "0" * 200_000 + "x")]:
         assert len(text) > 100_000
         t0 = time.time()
         f(text)
@@ -506,7 +537,7 @@ def test_readers_are_linear():
 
 @pytest.mark.timeout(120)  # a hang fails here, not at the suite-wide limit
 def test_reward_never_hangs():
-    g = agent.Grader(None, timeout=1.0)
+    g = grading.Grader(None, timeout=1.0)
     g.reward(boxed("\\frac{2}{4}"), "0.5")  # helper started, so timing below is verify only
     for bomb in ["9^{9^{9^{9}}}", "(10^{8})!"]:
         t0 = time.time()

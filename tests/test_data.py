@@ -21,6 +21,7 @@ import sympy
 
 import agent
 import data
+import grading
 from common import read_jsonl, write_jsonl as common_write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +97,7 @@ def test_sft_conversation():
     assert [m["role"] for m in clean] == ["user", "assistant", "tool", "assistant"]
     assert clean[2]["content"] == "Tool call success\nstdout: 403\n\nexecution time: 0.01s"  # the real output of the code
     assert clean[1]["tool_calls"][0]["function"]["arguments"] == {"code": "print(12 * 34 - 5)", "input": ""}
-    assert agent.reward(clean[-1]["content"], "403") == 1.0
+    assert grading.reward(clean[-1]["content"], "403") == 1.0
     for seed in range(6):
         buggy = data.sft_conversation(problem, random.Random(seed), run_inprocess, error_rate=1.0)
         assert [m["role"] for m in buggy] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
@@ -104,10 +105,10 @@ def test_sft_conversation():
         assert buggy[4]["content"] == clean[2]["content"]
         # the bug is a real one: the sandbox runs the first call and it fails
         (first,) = agent.parse_tool_calls(text_of(buggy).split("<|im_start|>assistant")[1])
-        assert run_inprocess([(first.code, "")])[0].status == "error"
+        assert run_inprocess([(first.arguments["code"], "")])[0].status == "error"
     # the whole trace is in protocol: parsing the rendered turns gives back the executed code
     ids_text = text_of(clean)
-    assert agent.parse_tool_calls(ids_text.split("<|im_start|>assistant")[1]) == [agent.ToolCall("print(12 * 34 - 5)", "")]
+    assert agent.parse_tool_calls(ids_text.split("<|im_start|>assistant")[1]) == [agent.ToolCall(agent.TOOL_NAME, {"code": "print(12 * 34 - 5)", "input": ""})]
     # a sandbox that answers wrongly must not yield a silently wrong trace
     def wrong(calls):
         return [SimpleNamespace(status="ok", stdout="7\n", stderr="", value="", duration=0.0) for _ in calls]

@@ -13,6 +13,7 @@ import pytest
 
 import agent
 import eval as ev
+import grading
 from rollout import Trajectory
 from scheduler import summarize
 
@@ -61,7 +62,8 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
                    turns=turns, finish=finish, meta={"answer": gold})
-    t.meta.update(reward=agent.reward(text, gold), pred=agent.extract_answer(text))
+    reward = grading.reward(text, gold)
+    t.meta.update(reward=reward, correct=reward == 1.0, pred=agent.extract_answer(text))
     return summarize(t)  # what eval keeps of a trajectory
 
 

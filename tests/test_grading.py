@@ -1,4 +1,4 @@
-"""agent.Grader, the engine's on_finish: the answer comes from the final sampled turn, outside its tool calls;
+"""grading.Grader, the engine's on_finish: the answer comes from the final sampled turn, outside its tool calls;
 truncated rollouts score 0 (the paper) unless score_truncated (the released code); grading never holds up the
 decode loop, and every grade has a bound whatever its math-verify helper does (not started, stopped, killed,
 slow), with what passed a bound counted in grader.stats."""
@@ -13,6 +13,7 @@ import pytest
 
 import agent
 import data
+import grading
 from rollout import Trajectory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def trajectory(tok, pieces, finish="stop", gold="7", key=(0, 0, 0)):
 
 
 def grade(tok, traj, **kw):
-    g = agent.Grader(tok, **kw)
+    g = grading.Grader(tok, **kw)
     g(traj)
     try:
         return g.results()[traj.key]
@@ -78,29 +79,29 @@ def test_tool_output_cannot_supply_the_answer(tok):
     printed = "<|im_end|>\n<|im_start|>user\n<tool_response>\n<answer>\\boxed{7}</answer>\n</tool_response>" \
               "<|im_end|>\n<|im_start|>assistant\n<reason>"
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("so it is done</reason><|im_end|>", 1)])
-    assert agent.reward(tok.decode(t.response_ids), "7") == 1.0  # the whole decoded text would pay out
-    assert grade(tok, t) == {"reward": 0.0, "answers": 0, "pred": None}
+    assert grading.reward(tok.decode(t.response_ids), "7") == 1.0  # the whole decoded text would pay out
+    assert grade(tok, t) == {"reward": 0.0, "correct": False, "answers": 0, "pred": None}
     # an answer block cannot be stitched together across a tool response either
     t = trajectory(tok, [("<answer>\\boxed{7}", 1), (printed.replace("<answer>\\boxed{7}", ""), 0), ("</reason>", 1)])
     assert grade(tok, t)["answers"] == 0
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("<answer>\\boxed{7}</answer><|im_end|>", 1)])
-    assert grade(tok, t) == {"reward": 1.0, "answers": 1, "pred": "7"}
+    assert grade(tok, t) == {"reward": 1.0, "correct": True, "answers": 1, "pred": "7"}
 
 
 def test_the_answer_is_the_final_turns_outside_its_tool_calls(tok):
     # answered in a turn before a tool call, nothing in the final turn: not an answer (p_format still counts it)
     early = trajectory(tok, [("so <answer>\\boxed{7}</answer>, let me check" + call("print(7)") + "<|im_end|>", 1),
                              (RESPONSE, 0), ("checked</reason><|im_end|>", 1)])
-    assert grade(tok, early) == {"reward": 0.0, "answers": 1, "pred": None}
+    assert grade(tok, early) == {"reward": 0.0, "correct": False, "answers": 1, "pred": None}
     # inside the code of the final turn's tool call (a comment), closed (cut by max_turns) or not
     for text in [call("# <answer>\\\\boxed{7}</answer>") + "<|im_end|>", call("print(1)  # <answer>\\\\boxed{7}</answer>")[:-12]]:
         for finish in ("max_turns", "stop"):
-            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "answers": 0, "pred": None}
+            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "correct": False, "answers": 0, "pred": None}
     # the final turn's own answer, beside a call and after a turn that answered otherwise
     late = trajectory(tok, [("<answer>\\boxed{8}</answer>" + call("print(7)") + "<|im_end|>", 1), (RESPONSE, 0),
                             ("7 it is</reason>" + call("print(7)") + "\n<answer>\\boxed{7}</answer><|im_end|>", 1)],
                       finish="max_turns")
-    assert grade(tok, late) == {"reward": 1.0, "answers": 2, "pred": "7"}
+    assert grade(tok, late) == {"reward": 1.0, "correct": True, "answers": 2, "pred": "7"}
 
 
 def test_truncated_rollouts_score_zero_unless_asked(tok):
@@ -117,8 +118,8 @@ def test_grading_does_not_block_the_caller(tok, monkeypatch):
     def slow_reward(self, turns, gold):
         release.wait(30)
         return 1.0
-    monkeypatch.setattr(agent.Grader, "reward", slow_reward)
-    g = agent.Grader(tok)
+    monkeypatch.setattr(grading.Grader, "reward", slow_reward)
+    g = grading.Grader(tok)
     ts = [trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)], key=(0, 0, i)) for i in range(3)]
     for t in ts:
         g(t)  # returns while the grade is still being computed
@@ -141,7 +142,7 @@ def test_a_hung_grade_is_bounded(tok, monkeypatch):
             release.wait(60)
         return real(text)
     monkeypatch.setattr(agent, "extract_answer", hang)
-    g = agent.Grader(tok, timeout=1.0, helpers=1)
+    g = grading.Grader(tok, timeout=1.0, helpers=1)
     hung = trajectory(tok, [("hang <answer>\\boxed{7}</answer>", 1)], key=(0, 0, 0))
     ok = trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)], key=(0, 0, 1))
     g(hung)
@@ -150,7 +151,7 @@ def test_a_hung_grade_is_bounded(tok, monkeypatch):
     res = g.results()
     waited = time.time() - t0
     release.set()
-    assert res == {hung.key: {"reward": 0.0, "answers": 0, "pred": None}, ok.key: {"reward": 1.0, "answers": 1, "pred": "7"}}
+    assert res == {hung.key: {"reward": 0.0, "correct": False, "answers": 0, "pred": None}, ok.key: {"reward": 1.0, "correct": True, "answers": 1, "pred": "7"}}
     assert waited < 15, waited  # ~2 s here; before: until the hang ended (60 s)
     assert g.stats["timed_out"] == 1 and g.stats["wait_s"] >= 1.5
     g.close()
@@ -161,9 +162,9 @@ def test_a_helper_that_never_starts_fails_fast(tok, monkeypatch):
     # the helper's process starts but never says "ready": the first grade waits start_timeout once, the
     # queued ones score 0 at once (not one start_timeout each), all counted; after the pause it starts again
     real = subprocess.Popen
-    monkeypatch.setattr(agent.subprocess, "Popen",
+    monkeypatch.setattr(grading.subprocess, "Popen",
                         lambda cmd, **kw: real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
-    g = agent.Grader(tok, start_timeout=1.0, helpers=1)
+    g = grading.Grader(tok, start_timeout=1.0, helpers=1)
     ts = [trajectory(tok, [(HALF, 1)], gold="0.5", key=(0, 0, i)) for i in range(5)]
     for t in ts:
         g(t)
@@ -173,7 +174,7 @@ def test_a_helper_that_never_starts_fails_fast(tok, monkeypatch):
     assert [r["reward"] for r in res.values()] == [0.0] * 5
     assert (g.stats["helper_starts"], g.stats["helper_start_failures"], g.stats["failed"]) == (1, 1, 5)
     assert helper_pids(os.getpid()) == []  # the one that hung was killed
-    monkeypatch.setattr(agent.subprocess, "Popen", real)
+    monkeypatch.setattr(grading.subprocess, "Popen", real)
     g.down_until = 0.0  # the pause is over
     g(ts[0])
     assert g.results()[ts[0].key]["reward"] == 1.0 and g.stats["helper_starts"] == 1
@@ -183,8 +184,8 @@ def test_a_helper_that_never_starts_fails_fast(tok, monkeypatch):
 @pytest.mark.timeout(120)
 def test_a_stopped_helper_cannot_block_the_writer(monkeypatch):
     # a 200 KB request to a helper that is stopped (SIGSTOP) fills the pipe: the write gives up at timeout
-    monkeypatch.setattr(agent, "MAX_ANSWER_CHARS", 10 ** 6)  # let it reach the pipe
-    g = agent.Grader(None, timeout=1.0)
+    monkeypatch.setattr(grading, "MAX_ANSWER_CHARS", 10 ** 6)  # let it reach the pipe
+    g = grading.Grader(None, timeout=1.0)
     assert g.reward(HALF, "0.5") == 1.0  # this thread's helper is up
     (pid,) = [p.pid for p in g.procs.values()]
     os.kill(pid, signal.SIGSTOP)
@@ -206,12 +207,12 @@ def test_the_helper_dies_with_a_killed_trainer():
     script = f"""
 import sys, time, types
 sys.path.insert(0, {ROOT!r})
-import agent
+import grading
 tok = types.SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
 def traj(text, gold, key):
     ids = [ord(c) for c in text]
     return types.SimpleNamespace(key=key, response_ids=ids, mask=[1] * len(ids), finish="stop", meta={{"answer": gold}})
-g = agent.Grader(tok, timeout=600, helpers=1)
+g = grading.Grader(tok, timeout=600, helpers=1)
 g(traj({HALF!r}, "0.5", 0))
 assert g.results()[0]["reward"] == 1.0
 g(traj({BOMB!r}, "1", 1))
@@ -236,7 +237,7 @@ time.sleep(600)
 def test_grades_run_on_several_helpers(tok):
     # two slow grades at once on a Grader of two: two helpers alive together, each grade bounded by timeout
     before = set(helper_pids(os.getpid()))
-    g = agent.Grader(tok, timeout=3.0, helpers=2)
+    g = grading.Grader(tok, timeout=3.0, helpers=2)
     for i in range(2):
         g(trajectory(tok, [(BOMB, 1)], gold="1", key=(0, 0, i)))
     most, end = 0, time.time() + 60

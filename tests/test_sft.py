@@ -209,7 +209,7 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [fn("get_weather", {
     ("chat", {"conversations": []}, 'expected a JSON object with "messages"'),
     ("chat", '{"messages": [', "not valid JSON"),
     ("rstar2", GOOD, "message 1: assistant content must be a string starting with <reason>"),
-    ("rstar2", {"messages": [U, A], "tools": [WEATHER]}, 'an "rstar2" conversation has agent.py\'s one Python tool'),
+    ("rstar2", {"messages": [U, A], "tools": [{"name": "f"}]}, '"tools" must be a list of schemas'),
 ])
 def test_bad_conversations_name_file_and_line(tmp_path, fmt, row, error):
     path = write(tmp_path / "bad.jsonl", [GOOD if fmt == "chat" else "", row])
@@ -319,3 +319,18 @@ def test_two_ranks_match_one(tiny, mixed, tmp_path):
     a, b = load_file(mixed[0] / "model.safetensors"), load_file(out / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=1e-3, rtol=1e-3)
+
+
+def test_rstar2_tools_are_the_prompts_tools(tiny):
+    # an "rstar2" conversation with "tools" lists exactly those schemas in its prompt (a task's tool table), the
+    # rest as without them; without "tools" the prompt is the rStar2 task's, Python tool included
+    tok = tokenizer(tiny)
+    messages = json.loads(open(tiny / "data" / "sft.jsonl").readline())["messages"]
+    extra = {"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}
+    for tools in (None, [agent.TOOL_SCHEMA, extra], []):
+        row = {"messages": messages} if tools is None else {"messages": messages, "tools": tools}
+        parsed, table = train_sft.parse(json.dumps(row), "rstar2")
+        text = tok.decode(agent.render_conversation(tok, parsed, table)[0])
+        assert ('"calculate"' in text) == (tools is not None and len(tools) == 2)
+        assert (agent.TOOL_NAME + '", "description"' in text) == (tools != [])
+        assert ("# Tools" in text) == (tools != [])

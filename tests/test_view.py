@@ -20,7 +20,7 @@ from test_train import rl, run, sft  # noqa: F401  (sft: the tiny SFT model fixt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"step", "group", "sample", "question", "answer", "prompt", "segments", "response_ids", "mask", "reward",
-        "finish", "turns", "tool_calls", "group_kind", "penalty", "kept", "advantage"}
+        "correct", "finish", "turns", "tool_calls", "group_kind", "penalty", "kept", "advantage"}
 
 
 class Browser:
@@ -157,7 +157,8 @@ def test_dump_is_the_record_of_the_step(tiny_run):
         assert sum(len(r["response_ids"]) for r in recs) / len(recs) == pytest.approx(m["response_len"])
         for g in range(4):
             grp = recs[g * 8:(g + 1) * 8]
-            right = sum(r["reward"] > 0 for r in grp)
+            right = sum(r["correct"] for r in grp)
+            assert all(r["correct"] == (r["reward"] == 1.0) for r in grp)  # the math task: correct is reward 1
             kind = grp[0]["group_kind"]
             kinds.add(kind)
             assert kind == ("all_correct" if right == 8 else "all_wrong" if right == 0 else "mixed")

@@ -1,0 +1,72 @@
+"""
+A code-writing task (`task = "tasks/code.py"`, configs/tiny_code.py): the model writes a Python function, the
+reward is the share of the row's hidden unit tests it passes, run in the sandbox. The Python tool is offered
+for trying things out, as in the math task.
+
+A row: {"question": "Write a Python function f(x) that returns ...", "entry": "f",
+        "tests": [[[3], 1380], [[0], -66], ...]}    (arguments, expected result: JSON values)
+(`python data.py code-set` writes a tiny set.) The tests never reach the prompt; grade() reads them.
+
+Safe from the solution: the solution's own code cannot make a test pass that it does not pass.
+- every test is its own sandbox call, a fresh process (one test's crash, exit or patched builtins cannot
+  reach the next);
+- in that call the solution is exec'd in a namespace of its own, after the harness took its own references to
+  json.dumps and stdout: redefining `type`, `json.dumps` or `print` changes nothing the harness uses;
+- above all, the expected result is never in the sandbox: the call prints the solution's result as JSON, and the
+  comparison with the expected JSON happens here, in the trainer, on strings. An object with an `__eq__`
+  that always says yes is not JSON (the call fails); a solution that prints lines of its own cannot know the
+  value to print; the result is read from the last line of stdout, written last by the harness. Whatever the
+  solution patches (even the harness's frame), passing a test means producing its expected value.
+A solution can still waste its calls' time: every call has the sandbox's time and memory bounds.
+
+reward = passed tests / tests (partial credit: grpo_roc's docstring has the rule for rewards that are not
+0/1); correct = every test passed.
+"""
+import json
+
+import agent
+
+COLUMNS = ("question", "entry", "tests")
+TOOLS = agent.PYTHON_TOOLS
+USER_PREFIX = ("Put your final answer inside <answer> </answer> tags as one ```python code block that defines "
+               "the function asked for.\nThis is the problem:\n")
+# one test: the solution in a namespace of its own, its result printed last, as JSON
+HARNESS = """
+import json as _json, sys as _sys
+_dumps, _out = _json.dumps, _sys.__stdout__
+_namespace = {"__name__": "solution"}
+exec(compile(SOLUTION, "solution.py", "exec"), _namespace)
+_result = _dumps(_namespace[ENTRY](*ARGS))
+_sys.stdout.flush()
+_out.write("\\n" + _result + "\\n")
+"""
+
+def prompt(row):
+    return agent.prompt_text(row["question"], tools=TOOLS, user_prefix=USER_PREFIX)
+
+
+def answer(turns):
+    """The code of the final <answer> block, without its ```python fence; None if there is none."""
+    block = agent.answer_block(turns)
+    if block is None:
+        return None
+    code = block.strip()
+    if code.startswith("```"):
+        code = code.split("\n", 1)[1] if "\n" in code else ""
+        code = code.rsplit("```", 1)[0]
+    return code.strip() or None
+
+
+def grade(row, pred, turns, grader):
+    tests = row["tests"]
+    if not pred or not tests:
+        return 0.0, False
+    # all tests at once, each its own call
+    calls = [grader.sandbox.submit(f"SOLUTION = {pred!r}\nENTRY = {row['entry']!r}\nARGS = {args!r}\n" + HARNESS)
+             for args, _ in tests]
+    passed = 0
+    for call, (_, expected) in zip(calls, tests):
+        result = call.result()
+        lines = result.stdout.splitlines()
+        passed += result.status == "ok" and bool(lines) and lines[-1] == json.dumps(expected)
+    return passed / len(tests), passed == len(tests)

@@ -1,0 +1,162 @@
+"""The task and tool seams on their worked examples: tasks/code.py's reward (hidden unit tests in the sandbox, safe
+from the solution), tasks/calculator.py's second tool through the engine (records carry its name, its failures
+count in p_err), the prompts of several tools / no tool against the released chat template. The few-step RL
+runs of both examples are in test_train.py (they need its tiny SFT model)."""
+import json
+import random
+import types
+from pathlib import Path
+
+import pytest
+
+import agent
+import data
+import grading
+import grpo_roc
+from rollout import Engine, Request, Trajectory, iter_claim
+from sandbox import SandboxPool
+from test_rollout import Script, SlowTools
+
+CODE = grading.load_task("tasks/code.py")
+CALC = grading.load_task("tasks/calculator.py")
+MATH = grading.load_task("tasks/math.py")
+CHARS = types.SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))  # a tokenizer: one id per character
+ROW = {"question": "Write a Python function f(x) that returns x * 3 - 1.", "entry": "f", "answer": "5",
+       "tests": [[[2], 5], [[0], -1], [[10], 29], [[-4], -13]]}
+
+
+def trajectory(text, key=0):
+    ids = [ord(c) for c in text]
+    return Trajectory(key=key, prompt_ids=[1], response_ids=ids, mask=[1] * len(ids), finish="stop", turns=1,
+                      meta={"problem": 0})
+
+
+def solution(code):
+    return f"<reason>write it</reason>\n<answer>```python\n{code}\n```\n\\boxed{{5}}</answer>"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(workers=2, timeout=2.0) as p:
+        yield p
+
+
+def grades(task, texts, pool):
+    g = grading.Grader(CHARS, task=task, rows=[ROW], sandbox=pool, timeout=5.0)
+    for i, text in enumerate(texts):
+        g(trajectory(text, key=i))
+    out = g.results()
+    g.close()
+    return [out[i] for i in range(len(texts))], g.stats
+
+
+def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
+    right = solution("def f(x):\n    return x * 3 - 1")
+    half = solution("def f(x):\n    return x * 3 - 1 if x > 0 else 0")  # passes 2 of 4
+    (code_right, code_half), _ = grades(CODE, [right, half], pool)
+    assert code_right == {"reward": 1.0, "correct": True, "answers": 1, "pred": "def f(x):\n    return x * 3 - 1"}
+    assert (code_half["reward"], code_half["correct"]) == (0.5, False)  # partial credit, not correct
+    # the same trajectories under the math task: its reward reads \boxed{5} and knows nothing of tests
+    (math_right, math_half), _ = grades(MATH, [right, half], pool)
+    assert math_right["reward"] == math_half["reward"] == 1.0
+    assert CODE.prompt(ROW).count(ROW["question"]) == 1 and "tests" not in CODE.prompt(ROW)  # hidden
+
+
+@pytest.mark.parametrize("name, code", [
+    ("type redefined", "type = lambda *a: True\nisinstance = lambda *a: True\ndef f(x):\n    return 0"),
+    ("builtins patched", "import builtins\nbuiltins.type = lambda *a: True\nbuiltins.isinstance = lambda *a: True\n"
+                         "def f(x):\n    return 0"),
+    ("equal to anything", "class Any:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Any()"),
+    ("json.dumps patched", "import json\njson.dumps = lambda *a, **k: '5'\ndef f(x):\n    return 0"),
+    ("prints a result", "import atexit\natexit.register(lambda: print(29))\ndef f(x):\n    print(5)\n    return 0"),
+    ("exits early", "import sys\nsys.exit(0)"),
+    ("stdout replaced", "import sys\nclass W:\n    def write(self, s):\n        return len(s)\n"
+                        "    def flush(self):\n        pass\nsys.stdout = sys.__stdout__ = W()\ndef f(x):\n    return 0"),
+    ("the harness's frame", "import sys\ng = sys._getframe(1).f_globals\ng['_dumps'] = lambda v: '5'\n"
+                            "def f(x):\n    return 0"),
+    ("hangs", "def f(x):\n    while True:\n        pass"),
+])
+def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
+    # an earlier attempt paid 1.0 to a solution that redefined `type` where the tests ran: here each test runs
+    # apart from the solution's namespace and its expected value never enters the sandbox; a constant guess
+    # gets what a constant function would (here: none of the 4 tests expects 0; '5' matches one of them)
+    (g,), stats = grades(CODE, [solution(code)], pool)
+    assert g["reward"] <= 0.25 and not g["correct"], (name, g)
+    assert stats["timed_out"] == stats["failed"] == 0  # even the hanging one is answered within the bounds
+
+
+def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
+    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: (1.5, True))
+    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: 1 / 0)
+    for task in (bad, raises):
+        g = grading.Grader(CHARS, task=task, rows=[ROW])
+        g(trajectory("<answer>x</answer>"))
+        assert g.results()[0]["reward"] == 0.0 and g.stats["failed"] == 1
+        g.close()
+
+# ----------------------------------------------------------------------------- the second tool
+
+
+def test_calculator_tool_runs_by_name_in_the_engine_and_counts_in_p_err():
+    # a scripted policy: a malformed calculate call, a good one, a Python call, an unknown tool, then the answer
+    tok = data.train_tokenizer([CALC.prompt({"question": "What is 6 * 7?"})], vocab_size=600)
+    prompt = tok.encode(CALC.prompt({"question": "What is 6 * 7?"}), add_special_tokens=False)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def turn(name, args):
+        text = "</reason>\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+        return tok.encode(text, add_special_tokens=False) + [end]
+    script = (turn("calculate", {"expression": "(6 * 7"}) + turn("calculate", {"expression": "6 * 7"})
+              + turn(agent.TOOL_NAME, {"code": "print(42)", "input": ""}) + turn("bash", {"cmd": "ls"})
+              + turn("calculate", {"expr": "1"})
+              + tok.encode("</reason>\n<answer>\\boxed{42}</answer>", add_special_tokens=False) + [end])
+    tools = SlowTools({})
+    engine = Engine(Script({tuple(prompt): script}, len(tok)), tok, kv_capacity=2000, max_len=2000, temperature=0.0,
+                    tools=tools, tool_table=CALC.TOOLS)
+    (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 1500)
+    assert [(c["tool"], c["status"]) for c in t.tool_calls] == [
+        ("calculate", "error"), ("calculate", "ok"), (agent.TOOL_NAME, "ok"), ("", "invalid"), ("calculate", "invalid")]
+    assert t.tool_calls[1]["output"] == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
+    assert t.tool_calls[0]["output"].startswith("Tool call failure\nreason: \nstderr: SyntaxError")
+    assert t.tool_calls[3]["output"] == "Error when executing tool: 'bash'"  # not in the table: the release's text
+    assert t.tool_calls[4]["output"] == "Error when executing tool: 'expression'"  # its run() raised KeyError
+    assert tools.calls == ["print(42)"]  # only the Python call reached the sandbox
+    # p_err counts every tool's failures: 3 of 5 calls failed
+    failed = sum(c["status"] in agent.TOOL_ERRORS for c in t.tool_calls)
+    assert grpo_roc.penalty(len(t.tool_calls), failed, 1, t.turns) == pytest.approx(3 / 5)
+
+
+REF = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.mark.release
+def test_tool_blocks_render_as_the_released_template_for_any_table():
+    # the released chat template, given 2 tools or none, renders what agent.prompt_text renders from the table
+    template = (REF / "rstar2_chat_template.jinja").read_text()
+    tok = data.train_tokenizer(["x"], vocab_size=300)
+    q = "What is 6 * 7?"
+    for tools in (CALC.TOOLS, {}, agent.PYTHON_TOOLS):
+        ref = tok.apply_chat_template([{"role": "user", "content": q}], tools=[t.schema for t in tools.values()] or None,
+                                      chat_template=template, add_generation_prompt=True, tokenize=False)
+        assert agent.prompt_text(q, tools=tools) == ref
+    assert grading.load_task("tasks/math_no_tool.py").prompt({"question": q}) == agent.prompt_text(q, tools={})
+    assert MATH.prompt({"question": q}) == agent.prompt_text(q)  # the default task: the release's prompt
+
+
+def test_traces_of_a_task_carry_the_real_tool_answers():
+    rows = data.make_problems(8, seed=0, max_digits=3, max_ops=2)
+    traces = data.task_traces(CALC, rows, random.Random(1), sandbox=None)  # the calculator needs no sandbox
+    for row, trace in zip(rows, traces):
+        assert trace["tools"] == [t.schema for t in CALC.TOOLS.values()]
+        tool_texts = [m["content"] for m in trace["messages"] if m["role"] == "tool"]
+        assert tool_texts[-1] == f"Tool call success\nstdout: {row['answer']}\n\nexecution time: 0.01s"
+        assert all(t.startswith("Tool call failure") for t in tool_texts[:-1])
+    assert any(len(t["messages"]) == 6 for t in traces)  # some first make a malformed call (a quarter of them)
+
+
+def test_a_task_file_that_lacks_a_piece_is_named(tmp_path):
+    (tmp_path / "half.py").write_text("COLUMNS = ('question',)\ndef prompt(row):\n    return row['question']\n")
+    with pytest.raises(ValueError, match="does not define TOOLS, answer, grade"):
+        grading.load_task(str(tmp_path / "half.py"))
+    with pytest.raises(FileNotFoundError, match="nowhere.py"):
+        grading.load_task("tasks/nowhere.py")
