@@ -19,6 +19,7 @@ import pytest
 import agent
 import data
 import eval as ev
+import grading
 from common import read_jsonl
 from rollout import Trajectory
 from scheduler import summarize
@@ -178,7 +179,8 @@ def graded(problem, sample, gold, answer):
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1], response_ids=[5] * 4, mask=[1] * 4, tool_calls=[],
                    turns=1, finish="stop", meta={"answer": gold})
-    t.meta.update(reward=agent.reward(text, gold), pred=agent.extract_answer(text))
+    reward = grading.reward(text, gold)
+    t.meta.update(reward=reward, correct=reward == 1.0, pred=agent.extract_answer(text))
     return summarize(t)
 
 
