@@ -229,7 +229,8 @@ def train_tokenizer(texts, vocab_size=4096):
                                    chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
-def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, max_digits=3, max_ops=2, vocab_size=4096,
+def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, max_digits=3, max_ops=2,
+            error_rate=0.25, vocab_size=4096,
             hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
             max_position_embeddings=1024, rope_theta=10000.0):
     """
@@ -249,7 +250,7 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
     sft_problems = make_problems(n_sft, seed + 2, max_digits, max_ops, exclude={p["question"] for p in heldout})
     # 2. SFT conversations with the real outputs of the code
     rng = random.Random(seed)
-    sft = [dict(p, messages=sft_conversation(p, rng, run)) for p in sft_problems]
+    sft = [dict(p, messages=sft_conversation(p, rng, run, error_rate)) for p in sft_problems]
     # 3. the tokenizer, trained on exactly the text the model will see
     texts = ["".join(text for text, _ in agent.conversation_segments(c["messages"])) for c in sft]
     tokenizer = train_tokenizer(texts, vocab_size)
@@ -540,7 +541,12 @@ if __name__ == "__main__":
     # that copying them into the code and the answer is learned within the CPU demo's SFT budget
     parser.add_argument("--max_digits", type=int, default=3)
     parser.add_argument("--max_ops", type=int, default=2)
+    # the share of SFT traces whose first call fails (a typo, a wrong name, a missing parenthesis) and whose
+    # next turn fixes it; `python demo.py --seeds=N --recover` raises it so that recovering is practised
+    parser.add_argument("--error_rate", type=float, default=0.25)
     args = parser.parse_args()
+    if not 0 <= args.error_rate <= 1:
+        parser.error(f"--error_rate is a share in [0, 1], got {args.error_rate}")
     from sandbox import SandboxPool
     data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
     if args.command == "code-set":
@@ -565,4 +571,5 @@ if __name__ == "__main__":
     # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
     with SandboxPool(timeout=4.0) as pool:
         prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
-                n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops)
+                n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops,
+                error_rate=args.error_rate)

@@ -14,6 +14,12 @@ as a user would type it, and prints them:
 deterministic mode, so the same command gives the same table), evaluates each, and writes the paper's Fig. 4
 quantity with 95% intervals over the seeds and of the paired difference: out/demo/seeds.md, out/demo/seeds.png.
 
+`python demo.py --seeds=5 --recover` is the same study on a variant where RoC has something to select: 60% of the
+SFT traces (not 25%) start with a failing call (a typo, a wrong name, a missing parenthesis) that the next turn
+fixes, so recovering from an error is practised more than a clean call. Its data, model and runs live under
+out/recover/; before the seeds it prints the premise check: after SFT, how often a trajectory
+whose first call failed is right, against one whose first call ran (out/recover/demo/premise.md).
+
 `python demo.py --compare` also runs plain GRPO with the same seed and steps and plots both (the
 paper's Fig. 4 on a laptop: tool errors inside correct trajectories). `python demo.py --mismatch` runs
 GRPO-RoC twice more with the rollout engine's copy of the policy in bfloat16 (the trainer stays fp32, as
@@ -31,12 +37,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from common import read_metrics
+import agent
+from common import read_jsonl, read_metrics
 
 compare, mismatch = "--compare" in sys.argv, "--mismatch" in sys.argv
 seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seed=")), 0)
 n_seeds = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seeds=")), 0)
-out = "out/demo"
+recover = "--recover" in sys.argv
+root = "out/recover" if recover else "out"  # the recover variant keeps its own data, model and runs
+out = f"{root}/demo"
+# the recover variant's paths, passed to every command (the plain demo runs on the configs' defaults)
+paths = dict(data=[f"--data_path={root}/data/heldout.jsonl"], rl=[f"--model_path={root}/tiny-sft",
+             f"--data_path={root}/data/train.jsonl"]) if recover else dict(data=[], rl=[])
 os.makedirs(out, exist_ok=True)
 t_start = time.time()
 
@@ -53,14 +65,41 @@ def sh(done, *args):
 def evaluate(model, name):
     name = name.replace(" ", "_").replace("+", "")  # a directory name: "bf16 engine + TIS" -> bf16_engine__TIS
     sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
-       f"--out_dir={out}/eval_{name}", f"--seed={seed}")
+       f"--out_dir={out}/eval_{name}", f"--seed={seed}", *paths["data"])
     with open(f"{out}/eval_{name}/summary.json") as f:
         return json.load(f)
 
 
-sh("out/data/sft.jsonl", "data.py", "prepare", "--out=out/tiny-base", "--n_sft=5000", f"--seed={seed}")
-sh("out/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}")
-before = evaluate("out/tiny-sft", "sft")
+sh(f"{root}/data/sft.jsonl", "data.py", "prepare", f"--out={root}/tiny-base", "--n_sft=5000", f"--seed={seed}",
+   *(["--error_rate=0.6"] if recover else []))
+sh(f"{root}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",
+   *([f"--model_path={root}/tiny-base", f"--data_mix=[('{root}/data/sft.jsonl', 'rstar2', 1.0)]",
+      f"--out_dir={root}/tiny-sft"] if recover else []))
+before = evaluate(f"{root}/tiny-sft", "sft")
+
+
+def premise(eval_dir):
+    """The recover experiment's premise, read off an eval's trajectories: how often a trajectory is right when
+    its first tool call failed, against when it ran (and without a call). RoC can only matter where recovering
+    pays about as well as a clean call; where a failed call mostly ends wrong, plain GRPO's negative advantages
+    already push errors out. -> {kind: (trajectories, share right, share cut by the budget)}"""
+    rows = read_jsonl(f"{eval_dir}/trajectories.jsonl", ())
+    kinds = {"first call failed": [], "first call ran": [], "no tool call": []}
+    for r in rows:
+        calls = r["tool_calls"]
+        kind = "no tool call" if not calls else \
+            "first call failed" if calls[0]["status"] in agent.TOOL_ERRORS else "first call ran"
+        kinds[kind].append(r)
+    return {kind: (len(rs), sum(r["correct"] for r in rs) / max(1, len(rs)),
+                   sum(r["finish"] == "length" for r in rs) / max(1, len(rs))) for kind, rs in kinds.items()}
+
+
+if recover:
+    lines = ["| after SFT | trajectories | right | cut by the budget |", "|---|---|---|---|"]
+    lines += [f"| {kind} | {n} | {100 * right:.1f}% | {100 * cut:.1f}% |"
+              for kind, (n, right, cut) in premise(f"{out}/eval_sft").items()]
+    open(f"{out}/premise.md", "w").write("\n".join(lines) + "\n")
+    print("\npremise check (held-out, after SFT):\n" + "\n".join(lines))
 
 
 def seed_study(n):
@@ -71,9 +110,9 @@ def seed_study(n):
     rows = {arm: [] for arm in arms}
     for s in range(n):
         for arm, extra in arms.items():
-            d = f"out/seeds/{arm.lower()}-s{s}"
+            d = f"{root}/seeds/{arm.lower()}-s{s}"
             sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={s}",
-               "--deterministic=true", "--dump_every=0", *extra)
+               "--deterministic=true", "--dump_every=0", *paths["rl"], *extra)
             m = read_metrics(d)
             ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
@@ -119,14 +158,15 @@ def seed_study(n):
 if n_seeds:
     seed_study(n_seeds)
     sys.exit(0)
-runs = {"GRPO-RoC": ("out/tiny-rl", [])}
+runs = {"GRPO-RoC": (f"{root}/tiny-rl", [])}
 if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
-    runs["GRPO"] = ("out/tiny-grpo", ["--roc=false"])
+    runs["GRPO"] = (f"{root}/tiny-grpo", ["--roc=false"])
 if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp32
-    runs["bf16 engine"] = ("out/tiny-bf16", ["--rollout_dtype=bfloat16"])
-    runs["bf16 engine + TIS"] = ("out/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
+    runs["bf16 engine"] = (f"{root}/tiny-bf16", ["--rollout_dtype=bfloat16"])
+    runs["bf16 engine + TIS"] = (f"{root}/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
 for name, (d, extra) in runs.items():
-    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}", *extra)
+    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}", *paths["rl"],
+       *extra)
 runs = {name: d for name, (d, _) in runs.items()}
 steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
