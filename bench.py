@@ -834,32 +834,70 @@ def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
 
 # -----------------------------------------------------------------------------
 
-def update_step(model, reps, n=64, prompt=60, response=40):
-    """(u) the policy update of one RL step on n kept trajectories, two ways side by side: with the "old"
-    log-probs from a separate no-grad forward first (what every mini-batch needs when there are several),
-    and taken from the update's own forward, detached (what train_rl.py does when mini_batches == 1)."""
-    g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
+def tiny_rl_batch(n=64, seed=0, vocab=4096):
+    """n kept trajectories shaped like one step of configs/tiny_rl.py (lengths, not content): a 55-90 token
+    prompt, a lognormal response of ~76 tokens (at most 192) of which ~1/3 is sampled and the rest is one
+    tool output in between: ~9.4K tokens, the loss on ~17% of them, as the issue-32 profile of the tiny run."""
+    import random
+    rng = random.Random(seed)
     seqs = []
     for _ in range(n):
-        ids = torch.randint(V, (prompt + response,), generator=g).tolist()
-        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [1.0] * (len(ids) - 1),
-                     "mask": [0] * (prompt - 1) + [1] * response})
-    m = collate(seqs, "cpu", packed=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
+        prompt = rng.randint(55, 90)
+        response = min(192, max(8, int(rng.lognormvariate(math.log(66), 0.55))))
+        first = max(1, response // 6)  # a reasoning turn with a tool call ...
+        last = max(1, response // 6)  # ... and the answer after the tool output
+        ids = [rng.randrange(vocab) for _ in range(prompt + response)]
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [rng.gauss(0, 1)] * (len(ids) - 1),
+                     "mask": [0] * (prompt - 1) + [1] * first + [0] * (response - first - last) + [1] * last})
+    return seqs
 
-    def update(two_forwards):
-        if two_forwards:
-            with torch.no_grad():
-                old = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
-        lp, _ = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True)
-        loss = policy_loss(lp, old if two_forwards else lp.detach(), m["adv"], m["mask"])
-        loss.backward()
+
+def update_step(reps, max_tokens=4096):
+    """(u) the policy update of one tiny RL step (tiny_rl_batch, on data.prepare's tiny model shape, random
+    weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
+    micro-batches from common.pack (longest first into the emptiest bin, right-padded rows) and the output
+    layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
+    together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm."""
+    from common import pack, pack_sorted
+    from model import Config, Qwen
+    cfg = Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen(cfg)
+    seqs = tiny_rl_batch()
+    lengths = [len(x["ids"]) for x in seqs]
+    n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
+    plans = {"before": (pack(lengths, max_tokens), False), "now": (pack_sorted(lengths, max_tokens), True)}
+    out = {}
+
+    def update(name):
+        bins, at_loss = plans[name]
+        loss_sum, entropy = 0.0, 0.0
+        for idx in bins:
+            m = collate([seqs[i] for i in idx], "cpu", packed=False)
+            where = m["mask"].bool() if at_loss else None
+            lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
+            loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
+            loss.backward()
+            loss_sum, entropy = loss_sum + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    (two, one), rounds = medians([lambda: update(True), lambda: update(False)], reps)
-    print(f"\n(u) policy update of {n} trajectories of {prompt}+{response} tokens, {rounds} rounds: "
-          f"old log-probs by a second forward {two:.3f} s, from the update's own forward {one:.3f} s: x{two / one:.2f}")
+        out[name] = (loss_sum, entropy, norm)
+    (before, now), rounds = medians([lambda: update("before"), lambda: update("now")], reps)
+    print(f"\n(u) the policy update of one tiny RL step: {len(seqs)} trajectories, {sum(lengths):,} tokens, the loss on "
+          f"{int(n_tokens):,}; tiny model shape ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
+          f"{cfg.vocab_size}), {rounds} rounds, load average {load():.2f}")
+    print(f"{'':8s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
+          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s}")
+    for name, t in (("before", before), ("now", now)):
+        bins, at_loss = plans[name]
+        slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
+        loss, ent, norm = out[name]
+        print(f"{name:8s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
+              f"{loss:12.8f} {ent:9.5f} {norm:10.6f}")
+    print(f"goal: the update >= x1.4 faster than before: x{before / now:.2f}")
 
 
 def grading(tok, reps, prompts=8, samples=16):
@@ -971,7 +1009,7 @@ if __name__ == "__main__":
             print_multi_turn(r)
             print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
         if "u" in args.sections:
-            update_step(ours, args.reps)
+            update_step(args.reps)
         if "g" in args.sections:
             grading(tok, args.reps)
         if "k" in args.sections:

@@ -281,6 +281,40 @@ def pack(lengths, max_tokens, world=1):
         m += max(1, m // 8)  # more bins per rank; with one sequence per bin everything fits
 
 
+def pack_sorted(lengths, max_tokens, world=1, padded=True):
+    """Split sequences into world × M bins of similar lengths, so padded micro-batches waste little: longest
+    first, dealt to the ranks in snake order (0, 1, .., w-1, w-1, .., 0, 0, 1, ..: each rank gets nearly the
+    same tokens), then each rank's run cut into bins while the bin's size stays <= max_tokens: the padded
+    size, count x its longest, with padded=True (SDPA's right-padded rows); the sum with padded=False
+    (flash-attn's packed row). Every rank gets M bins (empty ones where it has fewer; they still join the
+    FSDP collectives). Bin j belongs to rank j % world, as in pack. Too long a sequence: ValueError."""
+    if lengths and max(lengths) > max_tokens:
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro={max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    # deal: in each round of `world` sequences, every other round runs backwards
+    runs = [[] for _ in range(world)]
+    for k, i in enumerate(order):
+        turn = k % world
+        runs[turn if (k // world) % 2 == 0 else world - 1 - turn].append(i)
+    # cut each rank's run (longest first) into bins
+    per_rank = []
+    for run in runs:
+        bins, load = [], 0
+        for i in run:
+            # the last bin's size with i in it: count x its first (longest) length, or the tokens' sum
+            grown = (len(bins[-1]) + 1) * lengths[bins[-1][0]] if padded and bins else load + lengths[i]
+            if bins and grown <= max_tokens:
+                bins[-1].append(i)
+                load = grown
+            else:
+                bins.append([i])
+                load = lengths[i]
+        per_rank.append(bins)
+    m = max(1, max(map(len, per_rank)))
+    return [per_rank[r][j] if j < len(per_rank[r]) else [] for j in range(m) for r in range(world)]
+
+
 def collate(seqs, device, packed):
     """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
     (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),

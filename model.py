@@ -5,7 +5,8 @@ The Qwen3 / Qwen2.5 decoder in plain torch, with the four things RL needs from a
    packed batches (attention_mask holds segment ids 1, 2, 3, ...; positions restart per segment).
 2. `token_logprobs(model, input_ids, targets, ...)` -> per-token log-probs (and entropy) without ever
    holding fp32 logits for the whole batch: the lm_head + log_softmax run chunk by chunk, each chunk
-   checkpointed, so forward and backward hold one chunk of logits at a time.
+   checkpointed, so forward and backward hold one chunk of logits at a time; `where=` (the loss mask)
+   runs them only at the positions the loss reads.
 3. `model.forward_cached(input_ids, cache, rows)` -> logits, incremental decoding against a paged
    `KVCache` where every row has its own length and page table (continuous batching, prefix sharing).
 4. `load_model` / `save_model` / `shard_model` / `load_weights`: HF safetensors directories in and out
@@ -298,7 +299,7 @@ class Qwen(nn.Module):
     def head_weight(self):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False):
+    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False, where=None):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
@@ -333,16 +334,27 @@ class Qwen(nn.Module):
         x = self.model.norm(x)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
-        # chunked head: each chunk's fp32 logits live only inside its checkpoint
         h, tg = x.reshape(B * T, -1), targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
-        starts = range(0, B * T, chunk_size)
+        if where is not None:
+            # the output layer only at the positions asked for (the loss's): in an RL batch most positions are
+            # prompt, tool output or padding. With none asked for, position 0 still goes through the head, so
+            # its weight joins the backward on every rank (FSDP reduces it everywhere), then is zeroed below
+            picked = where.reshape(B * T).nonzero().squeeze(1)  # (N,)
+            picked = picked if picked.numel() else picked.new_zeros(1)
+            h, tg = h[picked], tg[picked]
+        # chunked head: each chunk's fp32 logits live only inside its checkpoint
+        starts = range(0, len(h), chunk_size)
         # one list per chunk that its entropy goes into, once (see chunk_logprobs)
         ents = [[] if with_entropy else None for _ in starts]
-        logp = torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
-                                     e, use_reentrant=False) for i, e in zip(starts, ents)]).view(B, T)
-        if not with_entropy:
-            return logp
-        return logp, torch.cat([e[0] for e in ents]).view(B, T)
+        out = [torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
+                                     e, use_reentrant=False) for i, e in zip(starts, ents)])]
+        if with_entropy:
+            out.append(torch.cat([e[0] for e in ents]))
+        if where is not None:  # back to (B, T), 0 at every position not asked for
+            asked = where.reshape(B * T)[picked].bool()
+            out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0)) for z in out]
+        out = [z.view(B, T) for z in out]
+        return tuple(out) if with_entropy else out[0]
 
     @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
@@ -402,15 +414,19 @@ class Qwen(nn.Module):
         return F.linear(x, self.head_weight())  # (B, T or 1, V)
 
 
-def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False):
+def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False, where=None):
     """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
 
+    where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
+    matmul of a small model, then runs on the sampled tokens alone); 0 elsewhere, with no gradient.
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
     Goes through model(...) so FSDP's hooks gather the head weights as for any forward.
     """
-    if targets.shape != input_ids.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
-    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy)
+    for name, z in (("targets", targets), ("where", where)):
+        if z is not None and z.shape != input_ids.shape:
+            raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy,
+                 where=where)
 
 
 # -----------------------------------------------------------------------------
