@@ -173,7 +173,8 @@ def test_update_at_loss_positions_from_sorted_micro_batches_matches_the_full_pat
                                        for lo, hi in ((4, 12), (1, 10), (0, 6), (0, 10)))
         n = prompt + first + tool + second
         ids = torch.randint(0, V, (n,), generator=g).tolist()
-        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": [0] * (prompt - 1) + [1] * first + [0] * tool + [1] * second,
+        mask = [0] * (prompt - 1) + [1] * first + [0] * tool + [1] * second
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask,
                      "adv": [float(torch.randn((), generator=g)) * (1 + k % 3)] * (n - 1)})
     n_tokens = sum(sum(s["mask"]) for s in seqs)
     lengths = [len(s["ids"]) for s in seqs]
@@ -185,15 +186,16 @@ def test_update_at_loss_positions_from_sorted_micro_batches_matches_the_full_pat
             for idx in bins[rank::2]:
                 m = collate([seqs[i] for i in idx], "cpu", packed=False)
                 where = m["mask"].bool() if at_loss_positions else None
-                lp, ent = token_logprobs(ours, m["ids"], m["tgt"], m["seg"], chunk_size=7, with_entropy=True, where=where)
+                lp, ent = token_logprobs(ours, m["ids"], m["tgt"], m["seg"], chunk_size=7, with_entropy=True,
+                                         where=where)
                 loss = policy_loss(lp, lp.detach() - 0.1 * m["mask"], m["adv"], m["mask"], num_tokens=n_tokens)
                 loss.backward()
                 total, entropy = total + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
         norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e9)
         return total, entropy, float(norm), {n: p.grad.clone() for n, p in ours.named_parameters()}
     old_bins, new_bins = pack(lengths, 40, 2), pack_sorted(lengths, 40, 2)
-    padding = [sum(len(b) * max(lengths[i] for i in b) for b in bins if b) - sum(lengths) for bins in (old_bins, new_bins)]
-    assert padding[1] < padding[0]  # what the sorting is for
+    slots = [sum(len(b) * max(lengths[i] for i in b) for b in bins if b) for bins in (old_bins, new_bins)]
+    assert slots[1] < slots[0]  # less padding: what the sorting is for
     old, new = update(old_bins, False), update(new_bins, True)
     assert abs(new[0] - old[0]) < 1e-5 and abs(new[1] - old[1]) < 1e-4 and abs(new[2] - old[2]) < 1e-4 * old[2]
     for n in old[3]:
