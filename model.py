@@ -204,8 +204,14 @@ def attend(q, k, v, att, layer_idx):
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
                                        causal=True)
     # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
-    # are masked); the B rows become the batch of each kv head, whose query heads fold into the query axis
-    kg, vg = cache.gather(layer_idx, att["table"])
+    # are masked), or the last forward's gather with the new tokens written in; the B rows become the batch
+    # of each kv head, whose query heads fold into the query axis
+    if att["reuse"]:
+        kg, vg = cache.kept[layer_idx]
+        for buf, z in ((kg, k), (vg, v)):
+            buf[:, att["where"][0], att["where"][1]] = z.reshape(B * T, *z.shape[2:])[att["real"]].transpose(0, 1)
+    else:
+        kg, vg = cache.gather(layer_idx, att["table"])
     Hkv = kg.shape[0]
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
     y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"].repeat(1, H // Hkv, 1)[None])
@@ -410,7 +416,13 @@ class Qwen(nn.Module):
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         else:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
-            att.update(table=table.to(x.device), mask=mask.to(x.device))
+            # the same rows as the last forward, each holding what it left them, read the keys that forward
+            # gathered, plus their new ones (a decode step: usually); anything else gathers afresh
+            after = (rows.tolist(), (lengths + n).tolist(), P)
+            reuse, cache.last = cache.last == (after[0], lengths.tolist(), P), after
+            where = (torch.arange(B)[:, None].expand(B, T)[real], pos[real])  # (N,) row and position of each
+            att.update(table=table.to(x.device), mask=mask.to(x.device), reuse=reuse,
+                       where=tuple(z.to(x.device) for z in where))
         cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
@@ -468,7 +480,8 @@ class KVCache:
         self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
         self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.gathered = self.k.new_empty(0)  # SDPA: the buffer `gather` reuses, grown as batches grow
+        # SDPA: each layer's gathered keys and values (`gather`), and the rows, lengths and pages they hold
+        self.kept, self.buffers, self.last = [None] * L, [self.k.new_empty(0) for _ in range(L)], None
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
         self.npages = torch.zeros(num_rows, dtype=torch.long)
@@ -500,6 +513,7 @@ class KVCache:
         token goes into that page)"""
         if self.npages[dst]:
             raise ValueError(f"share: row {dst} is not empty")
+        self.last = None  # the kept gather (SDPA) is not reused across a change of rows
         n = int(self.lengths[src])
         full = n // self.page_size
         for page in self.table[src, :full].tolist():
@@ -515,22 +529,27 @@ class KVCache:
 
     def gather(self, layer, table):
         """SDPA's keys and values of `layer` for the rows whose pages are table (B, P): (Hkv, B, P x page_size,
-        head_dim) each, contiguous, in a buffer kept across layers and steps (valid until the next call).
+        head_dim) each, contiguous, in the layer's buffer, kept (`kept`) for the next forward: while the same
+        rows decode, it only writes their new tokens in (model.attend), and gathers again when the rows
+        change or one needs a page more. The price: a second copy of the decoding rows' keys and values.
         (At batch 64 of bench.py's model, the gather this replaced, of the pages in flash-attn's layout into
-        a fresh tensor, took ~1.7x as long, and SDPA on the strided keys it gave ~3x as long as on these.)"""
+        a fresh tensor, took ~1.7x as long as one gather here, and SDPA on the strided keys it gave ~3x as
+        long as on these.)"""
         Hkv, _, ps, hd = self.k.shape[1:]
         B, P = table.shape
         n = Hkv * B * P * ps * hd
-        if self.gathered.numel() < 2 * n:
-            self.gathered = self.k.new_empty(2 * n)
+        if self.buffers[layer].numel() < 2 * n:
+            self.buffers[layer] = self.k.new_empty(2 * n)
         out = []
-        for pool, buf in ((self.k[layer], self.gathered[:n]), (self.v[layer], self.gathered[n:2 * n])):
+        for pool, buf in ((self.k[layer], self.buffers[layer][:n]), (self.v[layer], self.buffers[layer][n:2 * n])):
             torch.index_select(pool, 1, table.flatten(), out=buf.view(Hkv, B * P, ps, hd))
             out.append(buf.view(Hkv, B, P * ps, hd))
+        self.kept[layer] = out
         return out
 
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
+        self.last = None
         for page in self.table[row, :self.npages[row]].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:

@@ -329,14 +329,19 @@ def check_decoding(ours, page_size):
         seqs.append(seqs[1].clone())
         logits.append(logits[1].clone())
         # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension;
-        # rows grow a page at a time, in turn, so their pages are scattered through the pool
+        # rows grow a page at a time, in turn, so their pages are scattered through the pool. Two steps in a
+        # row over the same rows: the second reuses the first's gather of the keys (SDPA), unless it needs a
+        # page more
+        gathers, gather = [], cache.gather
+        cache.gather = lambda *a: gathers.append(1) or gather(*a)
+        perm = torch.randperm(5, generator=g)
         for step in range(6):
             new = torch.randint(0, V, (5, 1), generator=g)
-            if step % 2 == 0:
+            if step % 4 < 2:
                 order = torch.arange(5)
                 out = forward_grown(ours, new, cache, slice(0, 5))
             else:
-                order = torch.randperm(5, generator=g)
+                order = perm
                 out = forward_grown(ours, new[order], cache, order)
             for b, r in enumerate(order.tolist()):  # output row b belongs to cache row order[b]
                 seqs[r] = torch.cat([seqs[r], new[r]])
@@ -347,6 +352,7 @@ def check_decoding(ours, page_size):
                 seqs[2] = torch.cat([seqs[2], ext[0]])
                 logits[2] = torch.cat([logits[2], out[0]])
         assert cache.lengths.tolist() == [len(s) for s in seqs]
+        assert cache.flash or 0 < len(gathers) < 7 * ours.cfg.num_hidden_layers  # 7 forwards, some reused
         for r in range(5):
             ref = F.log_softmax(ours(seqs[r][None])[0], -1)
             assert (F.log_softmax(logits[r], -1) - ref).abs().max() < 1e-4, f"row {r}"
