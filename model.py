@@ -214,7 +214,7 @@ def attend(q, k, v, att, layer_idx):
         kg, vg = cache.gather(layer_idx, att["table"])
     Hkv = kg.shape[0]
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
-    y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"].repeat(1, H // Hkv, 1)[None])
+    y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])  # mask (1, B, rep * T, keys)
     return y.transpose(0, 1).reshape(B, H, T, hd).transpose(1, 2)
 
 
@@ -416,6 +416,9 @@ class Qwen(nn.Module):
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         else:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
+            # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
+            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
             # the same rows as the last forward, each holding what it left them, read the keys that forward
             # gathered, plus their new ones (a decode step: usually); anything else gathers afresh
             after = (rows.tolist(), (lengths + n).tolist(), P)
