@@ -44,6 +44,10 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
 (sandbox) the tool pool (sandbox.py, isolation on) vs the released executor's pattern, a fresh python3
     per call with the same rlimits, at concurrency 1, 64 and 1024: trivial and sympy snippets, throughput,
     latency end to end and inside the sandbox, and the speed goals (run alone: `python bench.py sandbox`).
+(u) the policy update of one tiny RL step, the way train_rl.py did it before issue 32 (pack, the output layer
+    at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
+(scale) what crosses ranks after a rollout phase, measured on 2 gloo ranks and extrapolated to 64 by the
+    measured cost per trajectory times the count, each term printed (never below 0).
 (p) where our engine spends its time: the split of one generate() into prefill / decode / sampling,
     and torch-profiler top ops inside the decode steps.
 

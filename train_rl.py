@@ -45,7 +45,7 @@ from transformers import AutoTokenizer
 import agent
 import grpo_roc
 from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
-                    load_trainable, load_trainer_state, pack_sorted, print0, read_jsonl, resolve_model,
+                    load_trainable, load_trainer_state, pack, pack_sorted, print0, read_jsonl, resolve_model,
                     save_checkpoint)
 from configurator import configure
 from model import load_model, token_logprobs, use_flash
@@ -189,9 +189,10 @@ def sync_policy():
 def plan(kept, part):
     """The token-balanced micro-batches of one mini-batch (kept[i] for i in part), planned on every rank from
     the lengths alone: ([the kept indices of each of this rank's bins], {key: the rank that trains it}).
-    Trajectories of similar length share a micro-batch, so right-padded rows (SDPA) carry little padding."""
-    bins = pack_sorted([kept[i].n_prompt + kept[i].n_response - 1 for i in part], max_tokens_per_micro, world,
-                       padded=not packed)
+    A packed row (flash-attn) costs its tokens: pack balances them; right-padded rows (SDPA) cost count x the
+    longest: trajectories of similar length share a micro-batch (pack_sorted), so they carry little padding."""
+    lengths = [kept[i].n_prompt + kept[i].n_response - 1 for i in part]
+    bins = (pack if packed else pack_sorted)(lengths, max_tokens_per_micro, world)
     dest = {kept[part[i]].key: j % world for j, b in enumerate(bins) for i in b}
     return [[part[i] for i in b] for b in bins[rank::world]], dest
 

@@ -51,12 +51,11 @@ def test_pack_sorted_bins_similar_lengths_within_the_budget_and_balances_the_ran
     rng = random.Random(1)
     for _ in range(200):
         n, world = rng.randrange(1, 60), rng.choice([1, 2, 3, 8])
-        max_tokens, padded = rng.choice([64, 100, 256]), rng.random() < 0.5
+        max_tokens = rng.choice([64, 100, 256])
         lengths = [rng.randrange(1, max_tokens + 1) for _ in range(n)]
-        bins = pack_sorted(lengths, max_tokens, world, padded)
+        bins = pack_sorted(lengths, max_tokens, world)
         assert sorted(i for b in bins for i in b) == list(range(n)) and len(bins) % world == 0
-        size = (lambda b: len(b) * max(lengths[i] for i in b)) if padded else (lambda b: sum(lengths[i] for i in b))
-        assert all(size(b) <= max_tokens for b in bins if b)
+        assert all(len(b) * max(lengths[i] for i in b) <= max_tokens for b in bins if b)  # padded size
         # each rank's share of the tokens: within one longest sequence of every other rank's
         shares = [sum(lengths[i] for b in bins[r::world] for i in b) for r in range(world)]
         assert max(shares) - min(shares) <= max(lengths)
