@@ -53,6 +53,10 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     read once per step); (4) where flash-attn decodes through a page table, the same engine reading its pages
     through SDPA; peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
     (needs out/tiny-sft and out/data from `bash run.sh`'s first two stages, or --model_path / --data_path).
+(u) the policy update of one tiny RL step, the way train_rl.py did it before issue 32 (pack, the output layer
+    at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
+(scale) what crosses ranks after a rollout phase, measured on 2 gloo ranks and extrapolated to 64 by the
+    measured cost per trajectory times the count, each term printed (never below 0).
 (p) where our engine spends its time: the split of one generate() into prefill / decode / sampling,
     and torch-profiler top ops inside the decode steps.
 
@@ -817,62 +821,112 @@ def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
             mp.spawn(scale_worker, args=(world, os.path.join(d, "init"), variant, per_rank, mean_tokens, results),
                      nprocs=world, join=True)
     print(f"{'variant':7s} {'gather':32s} {'rank':>4s} {'MiB in':>9s} {'s':>7s} {'peak RSS +MiB':>14s} {'gc s':>6s}")
-    extra = {}
     for variant in ("before", "after"):
         for rank in range(world):
             r = results[rank, variant]
             for name, (nbytes, secs) in r["gathers"].items():
                 print(f"{variant:7s} {name:32s} {rank:4d} {nbytes / 2**20:9.1f} {secs:7.2f} {r['peak_mib']:14.0f} "
                       f"{r['gc_s']:6.2f}")
+    # the extrapolation: measured cost per item (never below 0; a GC pass measured under its baseline, which
+    # load can do, counts as 0) times how many items one rank handles at the paper's size
+    extra = {}
+    for variant in ("before", "after"):
         r = results[0, variant]
-        n_all = world * r["n"]
-        scale = PAPER_TRAJS / n_all  # how many more trajectories a step has at the paper's size
-        if variant == "before":  # every rank receives all of them
-            secs = sum(s for _, s in r["gathers"].values()) * scale
-            mib = sum(b for b, _ in r["gathers"].values()) * scale / 2**20
-            peak = r["peak_mib"] * scale
-        else:  # summaries of all; tokens of its own 1/64 share (and the summarising of its own trajectories)
+        n_all, n_own = world * r["n"], r["n"]
+        if variant == "before":  # every rank receives every trajectory
+            (nbytes, secs), = r["gathers"].values()
+            terms = [("all_gather_object", secs / n_all, nbytes / n_all, PAPER_TRAJS)]
+        else:  # the summaries of all; the tokens of its own share (and the summarising of its own trajectories)
             (bs, ss), (bx, sx) = r["gathers"].values()
-            mine = PAPER_TRAJS / PAPER_RANKS / r["n"]
-            secs, mib = ss * scale + sx * mine, (bs * scale + bx * mine) / 2**20
-            peak = r["peak_mib"] * mine  # (dominated by the tokens it receives)
-        extra[variant] = (mib, secs + r["gc_s"] * scale, peak)
-    print(f"\nextrapolated to {PAPER_RANKS} ranks x {PAPER_TRAJS} trajectories, per rank per step:")
-    for variant, (mib, secs, peak) in extra.items():
-        print(f"  {variant:7s} {mib / 1024:7.2f} GiB received, {secs:6.2f} s (+ gc), peak RSS +{peak / 1024:6.2f} GiB")
+            terms = [("summaries", ss / n_all, bs / n_all, PAPER_TRAJS),
+                     ("own tokens", sx / n_own, bx / n_own, PAPER_TRAJS // PAPER_RANKS)]
+        terms.append(("gc", max(0.0, r["gc_s"]) / n_all, 0, PAPER_TRAJS))
+        secs = sum(per_item * count for _, per_item, _, count in terms)
+        mib = sum(b * count for _, _, b, count in terms) / 2**20
+        # peak memory: what it holds of all trajectories (before) or of its own share (after, the tokens)
+        share = PAPER_TRAJS / n_all if variant == "before" else PAPER_TRAJS / PAPER_RANKS / n_own
+        peak = max(0.0, r["peak_mib"]) * share
+        extra[variant] = (mib, secs, peak, terms, r["gc_s"])
+    print(f"\nextrapolated to {PAPER_RANKS} ranks x {PAPER_TRAJS} trajectories, per rank per step "
+          "(measured per-trajectory cost x trajectories):")
+    for variant, (mib, secs, peak, terms, gc_s) in extra.items():
+        fit = " + ".join(f"{name} {1e3 * per_item:.3f} ms x {count:,}" for name, per_item, _, count in terms)
+        note = f" (gc measured {gc_s:+.2f} s, under its baseline: counted as 0)" if gc_s < 0 else ""
+        print(f"  {variant:7s} {mib / 1024:7.2f} GiB received, {secs:6.2f} s = {fit}{note}; "
+              f"peak RSS +{peak / 1024:6.2f} GiB")
     b, a = extra["before"], extra["after"]
+    faster = f"x{b[1] / a[1]:.0f}" if a[1] > 0 else "n/a (after measured 0 s)"
+    less = f"x{b[2] / a[2]:.0f}" if a[2] > 0 else "n/a (after measured +0 MiB)"
     print(f"goal (after): under 1 s and under 1 GiB per rank per step: {a[1]:.2f} s, {a[2] / 1024:.2f} GiB | "
-          f"x{b[1] / max(a[1], 1e-9):.0f} faster, x{b[2] / max(a[2], 1e-9):.0f} less memory than before")
+          f"{faster} faster, {less} less memory than before")
 
 
 # -----------------------------------------------------------------------------
 
-def update_step(model, reps, n=64, prompt=60, response=40):
-    """(u) the policy update of one RL step on n kept trajectories, two ways side by side: with the "old"
-    log-probs from a separate no-grad forward first (what every mini-batch needs when there are several),
-    and taken from the update's own forward, detached (what train_rl.py does when mini_batches == 1)."""
-    g = torch.Generator().manual_seed(0)
-    V = model.cfg.vocab_size
+def tiny_rl_batch(n=64, seed=0, vocab=4096):
+    """n kept trajectories shaped like one step of configs/tiny_rl.py (lengths, not content): a 55-90 token
+    prompt, a lognormal response of ~76 tokens (at most 192) of which ~1/3 is sampled and the rest is one
+    tool output in between: ~9.4K tokens, the loss on ~17% of them, as the issue-32 profile of the tiny run."""
+    import random
+    rng = random.Random(seed)
     seqs = []
     for _ in range(n):
-        ids = torch.randint(V, (prompt + response,), generator=g).tolist()
-        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [1.0] * (len(ids) - 1),
-                     "mask": [0] * (prompt - 1) + [1] * response})
-    m = collate(seqs, "cpu", packed=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
+        prompt = rng.randint(55, 90)
+        response = min(192, max(8, int(rng.lognormvariate(math.log(66), 0.55))))
+        first = max(1, response // 6)  # a reasoning turn with a tool call ...
+        last = max(1, response // 6)  # ... and the answer after the tool output
+        ids = [rng.randrange(vocab) for _ in range(prompt + response)]
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [rng.gauss(0, 1)] * (len(ids) - 1),
+                     "mask": [0] * (prompt - 1) + [1] * first + [0] * (response - first - last) + [1] * last})
+    return seqs
 
-    def update(two_forwards):
-        if two_forwards:
-            with torch.no_grad():
-                old = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
-        lp, _ = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True)
-        loss = policy_loss(lp, old if two_forwards else lp.detach(), m["adv"], m["mask"])
-        loss.backward()
+
+def update_step(reps, max_tokens=4096):
+    """(u) the policy update of one tiny RL step (tiny_rl_batch, on data.prepare's tiny model shape, random
+    weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
+    micro-batches from common.pack (longest first into the emptiest bin, right-padded rows) and the output
+    layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
+    together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm."""
+    from common import pack, pack_sorted
+    from model import Config, Qwen
+    cfg = Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen(cfg)
+    seqs = tiny_rl_batch()
+    lengths = [len(x["ids"]) for x in seqs]
+    n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
+    plans = {"before": (pack(lengths, max_tokens), False), "now": (pack_sorted(lengths, max_tokens), True)}
+    out = {}
+
+    def update(name):
+        bins, at_loss = plans[name]
+        loss_sum, entropy = 0.0, 0.0
+        for idx in bins:
+            m = collate([seqs[i] for i in idx], "cpu", packed=False)
+            where = m["mask"].bool() if at_loss else None
+            lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
+            loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
+            loss.backward()
+            loss_sum, entropy = loss_sum + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    (two, one), rounds = medians([lambda: update(True), lambda: update(False)], reps)
-    print(f"\n(u) policy update of {n} trajectories of {prompt}+{response} tokens, {rounds} rounds: "
-          f"old log-probs by a second forward {two:.3f} s, from the update's own forward {one:.3f} s: x{two / one:.2f}")
+        out[name] = (loss_sum, entropy, norm)
+    (before, now), rounds = medians([lambda: update("before"), lambda: update("now")], reps)
+    print(f"\n(u) the policy update of one tiny RL step: {len(seqs)} trajectories, {sum(lengths):,} tokens, "
+          f"the loss on {int(n_tokens):,}; tiny model shape ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
+          f"{cfg.vocab_size}), {rounds} rounds, load average {load():.2f}")
+    print(f"{'':8s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
+          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s}")
+    for name, t in (("before", before), ("now", now)):
+        bins, at_loss = plans[name]
+        slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
+        loss, ent, norm = out[name]
+        print(f"{name:8s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
+              f"{loss:12.8f} {ent:9.5f} {norm:10.6f}")
+    print(f"goal: the update >= x1.4 faster than before: x{before / now:.2f}")
 
 
 def grading(tok, reps, prompts=8, samples=16):
@@ -1245,7 +1299,7 @@ if __name__ == "__main__":
             print_multi_turn(r)
             print(f"goal: ours >= 3x transformers: x{r['t_hf'] / r['t_ours']:.2f}")
         if "u" in args.sections:
-            update_step(ours, args.reps)
+            update_step(args.reps)
         if "g" in args.sections:
             grading(tok, args.reps)
         if "k" in args.sections:

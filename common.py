@@ -281,6 +281,35 @@ def pack(lengths, max_tokens, world=1):
         m += max(1, m // 8)  # more bins per rank; with one sequence per bin everything fits
 
 
+def pack_sorted(lengths, max_tokens, world=1):
+    """Split sequences into world × M bins of similar lengths, for right-padded micro-batches (SDPA), where a
+    bin costs count × its longest sequence: longest first, dealt to the ranks in snake order (0, 1, .., w-1,
+    w-1, .., 0, 0, 1, ..: each rank gets nearly the same tokens), then each rank's run cut into bins while
+    count × longest stays <= max_tokens. Every rank gets M bins (empty ones where it has fewer: they still
+    join the FSDP collectives). Bin j belongs to rank j % world, as in pack. Too long a sequence: ValueError."""
+    if lengths and max(lengths) > max_tokens:
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro={max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    # deal: in each round of `world` sequences, every other round runs backwards
+    runs = [[] for _ in range(world)]
+    for k, i in enumerate(order):
+        turn = k % world
+        runs[turn if (k // world) % 2 == 0 else world - 1 - turn].append(i)
+    # cut each rank's run into bins; the run is longest first, so a bin's first sequence is its longest
+    per_rank = []
+    for run in runs:
+        bins = []
+        for i in run:
+            if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= max_tokens:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+        per_rank.append(bins)
+    m = max(1, max(map(len, per_rank)))
+    return [per_rank[r][j] if j < len(per_rank[r]) else [] for j in range(m) for r in range(world)]
+
+
 def collate(seqs, device, packed):
     """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
     (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),

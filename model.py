@@ -5,7 +5,8 @@ The Qwen3 / Qwen2.5 decoder in plain torch, with the four things RL needs from a
    packed batches (attention_mask holds segment ids 1, 2, 3, ...; positions restart per segment).
 2. `token_logprobs(model, input_ids, targets, ...)` -> per-token log-probs (and entropy) without ever
    holding fp32 logits for the whole batch: the lm_head + log_softmax run chunk by chunk, each chunk
-   checkpointed, so forward and backward hold one chunk of logits at a time.
+   checkpointed, so forward and backward hold one chunk of logits at a time; `where=` (the loss mask)
+   runs them only at the positions the loss reads.
 3. `model.forward_cached(input_ids, cache, rows)` -> logits, incremental decoding against a paged
    `KVCache` where every row has its own length and page table (continuous batching, prefix sharing).
 4. `load_model` / `save_model` / `shard_model` / `load_weights`: HF safetensors directories in and out
@@ -170,8 +171,7 @@ def sdpa(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     B, H, T, hd = q.shape
     rep = H // k.shape[1]
-    # fold the query heads of each kv group into the query axis: K/V are read in place (a view of
-    # the cache when decoding), never repeated per head
+    # fold the query heads of each kv group into the query axis: K/V are read in place, never repeated per head
     q = q.reshape(B, k.shape[1], rep * T, hd)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, rep, 1)[:, None])
     # reshape, not view: CUDA's kernels may return y in another memory layout (found on the first GPU)
@@ -190,19 +190,33 @@ def attend(q, k, v, att, layer_idx):
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # (num_pages, page_size, Hkv, hd): this layer's pool
+    kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # this layer's pool (see KVCache for its two layouts)
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
     # in pages the row does not hold, which belong to other rows)
     for c, z in ((kc, k), (vc, v)):
-        c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], z.reshape(B * T, *z.shape[2:])[att["real"]])
+        new = z.reshape(B * T, *z.shape[2:])[att["real"]]  # (N, Hkv, hd)
+        if cache.flash:
+            c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], new)
+        else:
+            c.view(c.shape[0], -1, c.shape[-1]).index_copy_(1, att["slots"], new.transpose(0, 1))
     # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
     # i.e. up to lengths + t; padding reads table entries of page 0 that only pad queries see
     if cache.flash:
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
                                        causal=True)
-    # SDPA: gather each row's pages into one (B, Hkv, Lk, hd) sequence (copies B rows up to Lk)
-    kg, vg = (c[att["table"]].flatten(1, 2)[:, :att["Lk"]].transpose(1, 2) for c in (kc, vc))
-    return sdpa(q.transpose(1, 2), kg, vg, att["mask"]).transpose(1, 2)
+    # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
+    # are masked), or the last forward's gather with the new tokens written in; the B rows become the batch
+    # of each kv head, whose query heads fold into the query axis
+    if att["reuse"]:
+        kg, vg = cache.kept[layer_idx]
+        for buf, z in ((kg, k), (vg, v)):
+            buf[:, att["where"][0], att["where"][1]] = z.reshape(B * T, *z.shape[2:])[att["real"]].transpose(0, 1)
+    else:
+        kg, vg = cache.gather(layer_idx, att["table"])
+    Hkv = kg.shape[0]
+    qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
+    y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])  # mask (1, B, rep * T, keys)
+    return y.transpose(0, 1).reshape(B, H, T, hd).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -299,7 +313,7 @@ class Qwen(nn.Module):
     def head_weight(self):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False):
+    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False, where=None):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
         B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
@@ -334,16 +348,27 @@ class Qwen(nn.Module):
         x = self.model.norm(x)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
-        # chunked head: each chunk's fp32 logits live only inside its checkpoint
         h, tg = x.reshape(B * T, -1), targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
-        starts = range(0, B * T, chunk_size)
+        if where is not None:
+            # the output layer only at the positions asked for (the loss's): in an RL batch most positions are
+            # prompt, tool output or padding. With none asked for, position 0 still goes through the head, so
+            # its weight joins the backward on every rank (FSDP reduces it everywhere), then is zeroed below
+            picked = where.reshape(B * T).nonzero().squeeze(1)  # (N,)
+            picked = picked if picked.numel() else picked.new_zeros(1)
+            h, tg = h[picked], tg[picked]
+        # chunked head: each chunk's fp32 logits live only inside its checkpoint
+        starts = range(0, len(h), chunk_size)
         # one list per chunk that its entropy goes into, once (see chunk_logprobs)
         ents = [[] if with_entropy else None for _ in starts]
-        logp = torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
-                                     e, use_reentrant=False) for i, e in zip(starts, ents)]).view(B, T)
-        if not with_entropy:
-            return logp
-        return logp, torch.cat([e[0] for e in ents]).view(B, T)
+        out = [torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
+                                     e, use_reentrant=False) for i, e in zip(starts, ents)])]
+        if with_entropy:
+            out.append(torch.cat([e[0] for e in ents]))
+        if where is not None:  # back to (B, T), 0 at every position not asked for
+            asked = where.reshape(B * T)[picked].bool()
+            out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0)) for z in out]
+        out = [z.view(B, T) for z in out]
+        return tuple(out) if with_entropy else out[0]
 
     @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
@@ -391,8 +416,17 @@ class Qwen(nn.Module):
         if cache.flash:
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         else:
-            mask = torch.arange(Lk) <= pos[:, :, None]  # (B, T, Lk): key j visible to new token t
-            att.update(table=table.to(x.device), mask=mask.to(x.device), Lk=Lk)
+            mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
+            # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
+            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
+            # the same rows as the last forward, each holding what it left them, read the keys that forward
+            # gathered, plus their new ones (a decode step: usually); anything else gathers afresh
+            after = (rows.tolist(), (lengths + n).tolist(), P)
+            reuse, cache.last = cache.last == (after[0], lengths.tolist(), P), after
+            where = (torch.arange(B)[:, None].expand(B, T)[real], pos[real])  # (N,) row and position of each
+            att.update(table=table.to(x.device), mask=mask.to(x.device), reuse=reuse,
+                       where=tuple(z.to(x.device) for z in where))
         cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
@@ -403,15 +437,19 @@ class Qwen(nn.Module):
         return F.linear(x, self.head_weight())  # (B, T or 1, V)
 
 
-def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False):
+def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False, where=None):
     """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
 
+    where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
+    matmul of a small model, then runs on the sampled tokens alone); 0 elsewhere, with no gradient.
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
     Goes through model(...) so FSDP's hooks gather the head weights as for any forward.
     """
-    if targets.shape != input_ids.shape:
-        raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}")
-    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy)
+    for name, z in (("targets", targets), ("where", where)):
+        if z is not None and z.shape != input_ids.shape:
+            raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
+    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy,
+                 where=where)
 
 
 # -----------------------------------------------------------------------------
@@ -420,8 +458,9 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
 class KVCache:
     """A paged KV cache: one pool of fixed-size pages shared by num_rows sequences of up to max_len tokens.
 
-    self.k[i] / self.v[i] is layer i's pool, (num_pages, page_size, n_kv_heads, head_dim): flash-attn's
-    paged layout, which the SDPA path reads too (it gathers a row's pages). Row r's pages, in order, are
+    self.k[i] / self.v[i] is layer i's pool: (num_pages, page_size, n_kv_heads, head_dim), flash-attn's paged
+    layout, when it decodes; else (n_kv_heads, num_pages, page_size, head_dim), from which SDPA's path
+    gathers a head's pages into contiguous keys, whole pages at a time (`gather`). Row r's pages, in order, are
     table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at slot t % page_size.
     A row takes pages as it grows (`grow`) and returns them when it is done (`release`); who gets memory
     when the pool runs short is the caller's decision (rollout.Engine preempts). Pages are counted by
@@ -441,8 +480,12 @@ class KVCache:
             raise ValueError(f"a pool of {self.num_pages} pages of {page_size} tokens cannot hold one row of "
                              f"max_len {max_len}")
         L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        self.k = torch.zeros((L, self.num_pages, page_size, Hkv, hd), device=device, dtype=dtype)
+        pool = (self.num_pages, page_size, Hkv, hd) if self.flash else (Hkv, self.num_pages, page_size, hd)
+        self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
+        self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        # SDPA: each layer's gathered keys and values (`gather`), and the rows, lengths and pages they hold
+        self.kept, self.buffers, self.last = [None] * L, [self.k.new_empty(0) for _ in range(L)], None
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
         self.npages = torch.zeros(num_rows, dtype=torch.long)
@@ -474,6 +517,7 @@ class KVCache:
         token goes into that page)"""
         if self.npages[dst]:
             raise ValueError(f"share: row {dst} is not empty")
+        self.last = None  # the kept gather (SDPA) is not reused across a change of rows
         n = int(self.lengths[src])
         full = n // self.page_size
         for page in self.table[src, :full].tolist():
@@ -482,12 +526,34 @@ class KVCache:
         self.npages[dst] = full
         if n % self.page_size:
             self.grow(dst, n)
-            a, b = self.table[src, full], self.table[dst, full]
-            self.k[:, b], self.v[:, b] = self.k[:, a], self.v[:, a]
+            a, b = self.table[src, full:full + 1].to(self.k.device), self.table[dst, full:full + 1].to(self.k.device)
+            for pool in (self.k, self.v):
+                pool.index_copy_(self.page_dim, b, pool.index_select(self.page_dim, a))
         self.lengths[dst] = n
+
+    def gather(self, layer, table):
+        """SDPA's keys and values of `layer` for the rows whose pages are table (B, P): (Hkv, B, P x page_size,
+        head_dim) each, contiguous, in the layer's buffer, kept (`kept`) for the next forward: while the same
+        rows decode, it only writes their new tokens in (model.attend), and gathers again when the rows
+        change or one needs a page more. The price: a second copy of the decoding rows' keys and values.
+        (At batch 64 of bench.py's model, the gather this replaced, of the pages in flash-attn's layout into
+        a fresh tensor, took ~1.7x as long as one gather here, and SDPA on the strided keys it gave ~3x as
+        long as on these.)"""
+        Hkv, _, ps, hd = self.k.shape[1:]
+        B, P = table.shape
+        n = Hkv * B * P * ps * hd
+        if self.buffers[layer].numel() < 2 * n:
+            self.buffers[layer] = self.k.new_empty(2 * n)
+        out = []
+        for pool, buf in ((self.k[layer], self.buffers[layer][:n]), (self.v[layer], self.buffers[layer][n:2 * n])):
+            torch.index_select(pool, 1, table.flatten(), out=buf.view(Hkv, B * P, ps, hd))
+            out.append(buf.view(Hkv, B, P * ps, hd))
+        self.kept[layer] = out
+        return out
 
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
+        self.last = None
         for page in self.table[row, :self.npages[row]].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:

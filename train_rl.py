@@ -46,7 +46,7 @@ import agent
 import grading
 import grpo_roc
 from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
-                    load_trainable, load_trainer_state, pack, print0, read_jsonl, resolve_model,
+                    load_trainable, load_trainer_state, pack, pack_sorted, print0, read_jsonl, resolve_model,
                     save_checkpoint)
 from configurator import configure
 from model import load_model, token_logprobs, use_flash
@@ -100,7 +100,7 @@ mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the for
 adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr. GRPO), "batch"
 loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
-max_tokens_per_micro = 4096  # packed tokens per micro-batch and rank (verl: ppo_max_token_len_per_gpu)
+max_tokens_per_micro = 4096  # tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
 activation_checkpointing = False
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
 rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
@@ -195,8 +195,11 @@ def sync_policy():
 
 def plan(kept, part):
     """The token-balanced micro-batches of one mini-batch (kept[i] for i in part), planned on every rank from
-    the lengths alone: ([the kept indices of each of this rank's bins], {key: the rank that trains it})."""
-    bins = pack([kept[i].n_prompt + kept[i].n_response - 1 for i in part], max_tokens_per_micro, world)
+    the lengths alone: ([the kept indices of each of this rank's bins], {key: the rank that trains it}).
+    A packed row (flash-attn) costs its tokens: pack balances them; right-padded rows (SDPA) cost count x the
+    longest: trajectories of similar length share a micro-batch (pack_sorted), so they carry little padding."""
+    lengths = [kept[i].n_prompt + kept[i].n_response - 1 for i in part]
+    bins = (pack if packed else pack_sorted)(lengths, max_tokens_per_micro, world)
     dest = {kept[part[i]].key: j % world for j, b in enumerate(bins) for i in b}
     return [[part[i] for i in b] for b in bins[rank::world]], dest
 
@@ -332,11 +335,12 @@ while step < steps:
             old = None
             if len(parts) > 1:
                 with torch.no_grad():
-                    old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"]) for m in micros]
+                    old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"], where=m["mask"].bool()) for m in micros]
             minis.append((micros, old, n_tokens))
         for micros, old, n_tokens in minis:
             for j, m in enumerate(micros):
-                lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True)
+                # the output layer only where the loss reads: the sampled tokens (log-probs 0 elsewhere)
+                lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=m["mask"].bool())
                 old_lp = lp.detach() if old is None else old[j]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
                 mask, elp = m["mask"].bool(), m["elp"].float()

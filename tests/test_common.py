@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import (Logger, checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, pack,
-                    read_jsonl, save_checkpoint)
+                    pack_sorted, read_jsonl, save_checkpoint)
 from model import Config, Qwen, save_model
 
 
@@ -45,6 +45,22 @@ def test_pack_gives_the_scans_bins_and_names_a_too_long_sequence():
     # one sequence that fits no bin: named at once (the scan retried with more bins, cubic in their number)
     with pytest.raises(ValueError, match="sequence 3 has 9000 tokens, more than max_tokens_per_micro=8192"):
         pack([10, 20, 30, 9000] + [5] * 188, 8192, 2)
+
+
+def test_pack_sorted_bins_similar_lengths_within_the_budget_and_balances_the_ranks():
+    rng = random.Random(1)
+    for _ in range(200):
+        n, world = rng.randrange(1, 60), rng.choice([1, 2, 3, 8])
+        max_tokens = rng.choice([64, 100, 256])
+        lengths = [rng.randrange(1, max_tokens + 1) for _ in range(n)]
+        bins = pack_sorted(lengths, max_tokens, world)
+        assert sorted(i for b in bins for i in b) == list(range(n)) and len(bins) % world == 0
+        assert all(len(b) * max(lengths[i] for i in b) <= max_tokens for b in bins if b)  # padded size
+        # each rank's share of the tokens: within one longest sequence of every other rank's
+        shares = [sum(lengths[i] for b in bins[r::world] for i in b) for r in range(world)]
+        assert max(shares) - min(shares) <= max(lengths)
+    with pytest.raises(ValueError, match="sequence 1 has 90 tokens, more than max_tokens_per_micro=64"):
+        pack_sorted([10, 90], 64)
 
 
 class Tok:

@@ -69,6 +69,17 @@ def worker(rank, tmp):
             assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-6), name
             assert torch.allclose(p.full_tensor(), ref.get_parameter(name), atol=1e-5), name
 
+        # 3b. the output layer only at the loss positions (train_rl.py's update), rank 1 asking for none (a
+        # micro-batch without sampled tokens): the gradients of the whole head, and no rank left waiting
+        where = loss_mask.bool()
+        where[2:] = False
+        for model, r, scale in ((ref, slice(None), 1.0), (m, rows, WORLD)):
+            model.zero_grad()
+            logp = token_logprobs(model, ids[r], targets[r], mask[r], chunk_size=7, where=where[r])
+            (-(logp * where[r]).sum() / n_tokens * scale).backward()
+        for name, p in m.named_parameters():
+            assert torch.allclose(p.grad.full_tensor(), ref.get_parameter(name).grad, atol=1e-5), name
+
         # 4. save gathers one param at a time, rank 0 writes
         save_model(m, os.path.join(tmp, "saved"))
         dist.barrier()

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import model as model_module
+from common import collate, pack, pack_sorted
+from grpo_roc import policy_loss
 from model import Config, KVCache, Qwen, load_model, save_model, token_logprobs
 
 V = 101  # odd vocab on purpose
@@ -129,11 +131,76 @@ def test_token_logprobs_values_entropy_and_grad(pair):
         for n, p in ours.named_parameters():
             assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
     ours.gradient_checkpointing = False
+    # the output layer only where asked (the loss mask): the same values there, 0 elsewhere, the same
+    # gradients of a loss that reads only there; asked nowhere, the head still gets a (zero) gradient
+    where = mask.bool() & (torch.arange(ids.shape[1]) % 3 != 0)
+    ours.zero_grad()
+    ref_lp, ref_ent = naive()
+    (ref_lp * w * where).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad()
+    lp, ent = token_logprobs(ours, ids, targets, mask, chunk_size=5, with_entropy=True, where=where)
+    assert (lp[where] - ref_lp[where]).abs().max() < 1e-4 and (ent[where] - ref_ent[where]).abs().max() < 1e-4
+    assert not lp[~where].any() and not ent[~where].any()
+    (lp * w).sum().backward()
+    for n, p in ours.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
+    ours.zero_grad()
+    lp = token_logprobs(ours, ids, targets, mask, where=torch.zeros_like(where))
+    assert not lp.any()
+    lp.sum().backward()
+    assert ours.head_weight().grad is not None and not ours.head_weight().grad.any()
     ours.zero_grad()
     with torch.no_grad():  # default chunk size, no entropy: one chunk, a plain tensor back
         assert (token_logprobs(ours, ids, targets, mask) - naive()[0]).abs().max() < 1e-4
     with pytest.raises(ValueError, match="targets shape"):
         token_logprobs(ours, ids, targets[:, :-1])
+    with pytest.raises(ValueError, match="where shape"):
+        token_logprobs(ours, ids, targets, where=where[:, :-1])
+
+
+def test_update_at_loss_positions_from_sorted_micro_batches_matches_the_full_path(pair):
+    """train_rl.py's update, today's way against the old one on one mini-batch of trajectories of mixed
+    lengths (prompt, sampled tokens, a tool output, more sampled tokens), per-trajectory advantages and
+    loss weights, two ranks' plans: the old bins (pack: longest into the emptiest) with the output layer
+    at every position vs length-sorted bins (pack_sorted) with it only at the loss mask. The summed loss,
+    the entropy metric and the gradients agree to float tolerance."""
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(5)
+    seqs = []
+    for k in range(14):
+        prompt, first, tool, second = (int(torch.randint(lo, hi, (), generator=g))
+                                       for lo, hi in ((4, 12), (1, 10), (0, 6), (0, 10)))
+        n = prompt + first + tool + second
+        ids = torch.randint(0, V, (n,), generator=g).tolist()
+        mask = [0] * (prompt - 1) + [1] * first + [0] * tool + [1] * second
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask,
+                     "adv": [float(torch.randn((), generator=g)) * (1 + k % 3)] * (n - 1)})
+    n_tokens = sum(sum(s["mask"]) for s in seqs)
+    lengths = [len(s["ids"]) for s in seqs]
+
+    def update(bins, at_loss_positions):
+        ours.zero_grad()
+        total, entropy = 0.0, 0.0
+        for rank in range(2):  # the two ranks' micro-batches: their gradients add up, as FSDP's reduce does
+            for idx in bins[rank::2]:
+                m = collate([seqs[i] for i in idx], "cpu", packed=False)
+                where = m["mask"].bool() if at_loss_positions else None
+                lp, ent = token_logprobs(ours, m["ids"], m["tgt"], m["seg"], chunk_size=7, with_entropy=True,
+                                         where=where)
+                loss = policy_loss(lp, lp.detach() - 0.1 * m["mask"], m["adv"], m["mask"], num_tokens=n_tokens)
+                loss.backward()
+                total, entropy = total + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
+        norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e9)
+        return total, entropy, float(norm), {n: p.grad.clone() for n, p in ours.named_parameters()}
+    old_bins, new_bins = pack(lengths, 40, 2), pack_sorted(lengths, 40, 2)
+    slots = [sum(len(b) * max(lengths[i] for i in b) for b in bins if b) for bins in (old_bins, new_bins)]
+    assert slots[1] < slots[0]  # less padding: what the sorting is for
+    old, new = update(old_bins, False), update(new_bins, True)
+    assert abs(new[0] - old[0]) < 1e-5 and abs(new[1] - old[1]) < 1e-4 and abs(new[2] - old[2]) < 1e-4 * old[2]
+    for n in old[3]:
+        assert torch.allclose(new[3][n], old[3][n], atol=1e-5, rtol=1e-4), n
+    ours.zero_grad()
 
 
 def test_entropy_is_computed_once_off_the_graph(pair, monkeypatch):
@@ -262,14 +329,19 @@ def check_decoding(ours, page_size):
         seqs.append(seqs[1].clone())
         logits.append(logits[1].clone())
         # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension;
-        # rows grow a page at a time, in turn, so their pages are scattered through the pool
+        # rows grow a page at a time, in turn, so their pages are scattered through the pool. Two steps in a
+        # row over the same rows: the second reuses the first's gather of the keys (SDPA), unless it needs a
+        # page more
+        gathers, gather = [], cache.gather
+        cache.gather = lambda *a: gathers.append(1) or gather(*a)
+        perm = torch.randperm(5, generator=g)
         for step in range(6):
             new = torch.randint(0, V, (5, 1), generator=g)
-            if step % 2 == 0:
+            if step % 4 < 2:
                 order = torch.arange(5)
                 out = forward_grown(ours, new, cache, slice(0, 5))
             else:
-                order = torch.randperm(5, generator=g)
+                order = perm
                 out = forward_grown(ours, new[order], cache, order)
             for b, r in enumerate(order.tolist()):  # output row b belongs to cache row order[b]
                 seqs[r] = torch.cat([seqs[r], new[r]])
@@ -280,6 +352,7 @@ def check_decoding(ours, page_size):
                 seqs[2] = torch.cat([seqs[2], ext[0]])
                 logits[2] = torch.cat([logits[2], out[0]])
         assert cache.lengths.tolist() == [len(s) for s in seqs]
+        assert cache.flash or 0 < len(gathers) < 7 * ours.cfg.num_hidden_layers  # 7 forwards, some reused
         for r in range(5):
             ref = F.log_softmax(ours(seqs[r][None])[0], -1)
             assert (F.log_softmax(logits[r], -1) - ref).abs().max() < 1e-4, f"row {r}"
