@@ -81,14 +81,16 @@ import tempfile
 import time
 import traceback
 import types
+import unittest.mock
 
 import torch
 import torch.nn.functional as F
 import transformers
 
 import agent
-import grading
 import data
+import grading
+import model as modeling
 import rollout
 import sandbox
 from common import collate, read_metrics
@@ -1077,10 +1079,12 @@ def gpu_decode(path, dev, dry, batches, prompt_len, new, hbm, sync):
                             pad_token_id=0)
 
         sides = {"ours": lambda n: engine.generate(prompts, n), "transformers": run_hf}
-        if engine.cache.flash:  # the same engine, its pages read through SDPA instead of flash-attn's kernel
-            sdpa_engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1),
-                                 max_len=prompt_len + new + 1, max_rows=B)
-            sdpa_engine.cache.flash = False
+        if engine.cache.flash:  # the same engine, its pages read through SDPA instead of flash-attn's kernel:
+            # built as where the kernel cannot decode through a page table (the SDPA path's pool layout)
+            with unittest.mock.patch.object(modeling, "paged_flash", lambda device, dtype: False):
+                sdpa_engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1),
+                                     max_len=prompt_len + new + 1, max_rows=B)
+            assert not sdpa_engine.cache.flash
             sides["ours, SDPA pages"] = lambda n: sdpa_engine.generate(prompts, n)
         for fn in sides.values():
             fn(2)  # warm-up
