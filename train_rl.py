@@ -10,8 +10,9 @@ ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> th
 (tasks/math.py by default: 0/1 by math-verify, graded by grading.py) -> GRPO-RoC (grpo_roc.py): drop
 groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages ->
 token-balanced micro-batches -> the "old" log-probs (with one optimizer step per RL step, the update's
-own forward, detached) -> clipped token-mean policy loss -> AdamW -> new weights to the engines. Every step also logs how far the engine's sampling-time log-probs
-are from the trainer's (mismatch_*); tis_cap and mismatch_band correct for it (off: not in the paper).
+own forward, detached) -> clipped token-mean policy loss -> AdamW -> new weights to the engines. Every
+step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch_*); tis_cap
+and mismatch_band correct for it (off: not in the paper).
 
 How this deviates from textbook GRPO (all from the paper, §2.2):
 - Resample-on-Correct: positives are down-sampled with probability ∝ 1/(p_err + p_format), so the
