@@ -318,7 +318,8 @@ def collate(seqs, device, packed):
     one long packed row would cost O(N²). An empty bin becomes a single zero token (it still joins the
     FSDP collectives)."""
     if not seqs:
-        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "elp": [0.0], "tid": [0]}]  # RL's keys
+        # RL's keys
+        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "engine_logprobs": [0.0], "traj_index": [0]}]
     lengths = [len(s["ids"]) for s in seqs]
     cols = {k: [np.asarray(s[k]) for s in seqs] for k in seqs[0]}
     if packed:

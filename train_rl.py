@@ -191,7 +191,7 @@ if not start and not data_restart and os.path.isfile(os.path.join(model_path, "t
 def sync_policy():
     """Hand the new weights to this rank's engine: gather each shard, one parameter at a time."""
     for (name, p), q in zip(model.named_parameters(), policy.parameters()):
-        q.copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        q.copy_(full_value(p))
 
 
 def plan(kept, part):
@@ -205,18 +205,24 @@ def plan(kept, part):
     return [[part[i] for i in b] for b in bins[rank::world]], dest
 
 
-def micro_batch(kept, idx, advs, tokens):
-    """One packed micro-batch: the kept trajectories idx (their tokens from `exchange`), each token tagged with
-    its trajectory's advantage and index (tid)."""
+def micro_batch(kept, indices, advantages, tokens):
+    """One packed micro-batch: the kept trajectories at `indices` (their tokens from `exchange`), each token
+    tagged with its trajectory's advantage and index into `kept` (traj_index)."""
     seqs = []
-    for i in idx:
-        _, prompt, response, mask, logprobs = tokens[kept[i].key]
+    for index in indices:
+        _key, prompt, response, mask, logprobs = tokens[kept[index].key]
         seq, pad = np.concatenate([prompt, response]), np.zeros(len(prompt) - 1)
-        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advs[i]),
+        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
                      "mask": np.concatenate([pad, mask]),  # loss only on sampled tokens
-                     "elp": np.concatenate([pad, logprobs]),  # the engine's log-prob of each sampled token
-                     "tid": np.full(len(seq) - 1, i)})
+                     # the engine's log-prob of each sampled token
+                     "engine_logprobs": np.concatenate([pad, logprobs]),
+                     "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
+
+
+def full_value(tensor):
+    """A DTensor's whole value (a collective: every rank must call it), or a plain tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def dump_step(step, mine, summaries):
@@ -267,132 +273,152 @@ print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, 
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
 
 while step < steps:
-    t0 = time.perf_counter()
+    step_start = time.perf_counter()
     # 1. rollouts: 2G per prompt, the work shared by all ranks' engines
     sync_policy()
-    batch = [prompt_at(cursor + i) for i in range(prompts_per_step)]
+    batch = [prompt_at(cursor + offset) for offset in range(prompts_per_step)]
     cursor += prompts_per_step
-    requests = [Request(p.tolist(), key=(step, b, s), meta={"answer": problems[i].get("answer"), "problem": i})
-                for b, (i, p) in enumerate(batch) for s in range(n_sample)]
+    requests = [Request(prompt.tolist(), key=(step, group_index, sample_index),
+                        meta={"answer": problems[problem].get("answer"), "problem": problem})
+                for group_index, (problem, prompt) in enumerate(batch) for sample_index in range(n_sample)]
     mine = generate(engine, requests, max_response_tokens, rollout_split, grader, counter=f"rl/{step}")
-    t_rollout = time.perf_counter() - t0
+    t_rollout = time.perf_counter() - step_start
     # the grades of this rank's trajectories, made while the engine went on decoding; then what every rank
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
     grades = grader.results()
-    for t in mine:
-        t.meta.update(grades[t.key])
-    t_grade = time.perf_counter() - t0 - t_rollout
+    for traj in mine:
+        traj.meta.update(grades[traj.key])
+    t_grade = time.perf_counter() - step_start - t_rollout
     trajs = gather_summaries(mine)
-    t_gather = time.perf_counter() - t0 - t_rollout - t_grade
+    t_gather = time.perf_counter() - step_start - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
-    groups = [trajs[g * n_sample:(g + 1) * n_sample] for g in range(prompts_per_step)]
-    rewards = torch.tensor([[t.meta["reward"] for t in g] for g in groups])  # (B, 2G)
+    groups = [trajs[group * n_sample:(group + 1) * n_sample] for group in range(prompts_per_step)]
+    rewards = torch.tensor([[traj.meta["reward"] for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    # per kept group: its kept samples, their rewards, and on which side of RoC each was kept
     kept, kept_rewards, kept_positive = [], [], []
-    for g in keep_groups.tolist():
-        idx = list(range(n_sample))
+    for group in keep_groups.tolist():
+        # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
+        chosen = list(range(n_sample))
         if roc:
-            pen = [grpo_roc.penalty(len(t.calls), n_failed(t.calls), t.meta["answers"], t.turns) for t in groups[g]]
-            idx = grpo_roc.resample_on_correct(rewards[g], torch.tensor(pen), keep_per_prompt, gen,
-                                               mode=roc_mode).tolist()
-            for t, p in zip(groups[g], pen):
-                t.rl["penalty"] = p
-        kept.append([groups[g][i] for i in idx])
-        kept_rewards.append(rewards[g, idx])
-        kept_positive.append(grpo_roc.positives(rewards[g])[idx])
+            penalties = [grpo_roc.penalty(len(traj.calls), n_failed(traj.calls), traj.meta["answers"], traj.turns)
+                         for traj in groups[group]]
+            chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
+                                                  generator, mode=roc_mode).tolist()
+            for traj, penalty in zip(groups[group], penalties):
+                traj.rl["penalty"] = penalty
+        kept.append([groups[group][index] for index in chosen])
+        kept_rewards.append(rewards[group, chosen])
+        kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
+    # the update's clock (the tokens' exchange is its first part) and its statistics
     t_train, t_exchange = time.perf_counter(), 0.0
-    stats = {}
-    mism = {k: torch.zeros((), device=device) for k in ("abs", "max", "k3", "out", "n")}
+    grad_norm = 0.0
+    # every summed statistic of the update, per rank: token-weighted clip fraction and entropy, and the
+    # engine-vs-trainer gap's sums (grpo_roc.mismatch); all are summed over ranks once, in step 4
+    sums = {key: torch.zeros((), device=device) for key in ("clip_frac", "entropy", "abs", "k3", "out", "n")}
+    mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
         # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
-        advs = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale,
-                                   torch.stack(kept_positive) if roc else None).flatten().tolist()
-        kept = [t for g in kept for t in g]
-        for t, a in zip(kept, advs):
-            t.rl["advantage"] = a  # also marks it kept, for the dump
-        # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches. Every rank
-        # plans them all from the lengths; then each trajectory's tokens travel to the one rank that trains it
+        advantages = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale,
+                                         torch.stack(kept_positive) if roc else None).flatten().tolist()
+        kept = [traj for group in kept for traj in group]
+        for traj, advantage in zip(kept, advantages):
+            traj.rl["advantage"] = advantage  # also marks it kept, for the dump
+
+        # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
-        for group in optimizer.param_groups:
-            group["lr"] = lr_now
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr_now
+        # plan: every rank splits the kept trajectories into mini-batches and plans all their micro-batches
+        # from the lengths alone, so all ranks agree on who trains what
         per_mini = math.ceil(len(kept) / mini_batches)
-        parts = [range(s, min(len(kept), s + per_mini)) for s in range(0, len(kept), per_mini)]  # none empty
+        # mini-batches as ranges of kept indices, none empty
+        parts = [range(start, min(len(kept), start + per_mini)) for start in range(0, len(kept), per_mini)]
         plans = [plan(kept, part) for part in parts]
-        tokens = exchange(mine, {key: r for _, dest in plans for key, r in dest.items()})
+        # exchange: each trajectory's tokens travel to the one rank that trains it
+        owners = {key: owner for _bins, dest in plans for key, owner in dest.items()}
+        tokens = exchange(mine, owners)
         t_exchange = time.perf_counter() - t_train
-        # the "old" policy is this step's weights before any update. With one optimizer step per RL step
-        # (the paper) they are the weights of the forward below, so its own log-probs, detached, are the
-        # old ones and a second forward would only repeat it; otherwise every mini-batch's come first
+        # old log-probs: the "old" policy is this step's weights before any update. With one optimizer step per
+        # RL step (the paper) they are the weights of the forward below, so its own log-probs, detached, are
+        # the old ones and a second forward would only repeat it; otherwise every mini-batch's come first
         minis = []
-        for part, (bins, _) in zip(parts, plans):
+        for part, (bins, _dest) in zip(parts, plans):
             # the loss divisor as one weight per trajectory (token-mean: 1), riding on its advantage
-            w = grpo_roc.loss_weights([kept[i].n_sampled for i in part], [kept[i].key[1] for i in part], loss_norm,
-                                      max_response_tokens)
-            scaled = dict(zip(part, (a * x for a, x in zip((advs[i] for i in part), w))))
-            micros = [micro_batch(kept, idx, scaled, tokens) for idx in bins]
-            n_tokens = torch.tensor(float(sum(kept[i].n_sampled for i in part)), device=device)
-            old = None
+            weights = grpo_roc.loss_weights([kept[index].n_sampled for index in part],
+                                            [kept[index].key[1] for index in part], loss_norm, max_response_tokens)
+            scaled = dict(zip(part, (advantage * weight
+                                     for advantage, weight in zip((advantages[index] for index in part), weights))))
+            micros = [micro_batch(kept, indices, scaled, tokens) for indices in bins]
+            n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)), device=device)
+            old_logprobs = None
             if len(parts) > 1:
                 with torch.no_grad():
-                    old = [token_logprobs(model, m["ids"], m["tgt"], m["seg"], where=m["mask"].bool()) for m in micros]
-            minis.append((micros, old, n_tokens))
-        for micros, old, n_tokens in minis:
-            for j, m in enumerate(micros):
+                    old_logprobs = [token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"],
+                                                   where=micro["mask"].bool()) for micro in micros]
+            minis.append((micros, old_logprobs, n_tokens))
+        # micro-batch loop: forward, loss and backward per micro-batch; gradients add up over the mini-batch
+        for micros, old_logprobs, n_tokens in minis:
+            for micro_index, micro in enumerate(micros):
                 # the output layer only where the loss reads: the sampled tokens (log-probs 0 elsewhere)
-                lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=m["mask"].bool())
-                old_lp = lp.detach() if old is None else old[j]
+                logprobs, entropy = token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"], with_entropy=True,
+                                                   where=micro["mask"].bool())
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_index]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
-                mask, elp = m["mask"].bool(), m["elp"].float()
-                for k, v in grpo_roc.mismatch(old_lp, elp, mask).items():
-                    mism[k] = torch.maximum(mism[k], v) if k == "max" else mism[k] + v
+                mask, engine_logprobs = micro["mask"].bool(), micro["engine_logprobs"].float()
+                gap = grpo_roc.mismatch(old, engine_logprobs, mask)
+                mismatch_max = torch.maximum(mismatch_max, gap.pop("max"))
+                for key, value in gap.items():
+                    sums[key] = sums[key] + value
                 # corrections for that gap, off by default: truncated importance weights, sequence masking
-                weights = grpo_roc.tis_weights(old_lp, elp, tis_cap) if tis_cap else None
+                token_weights = grpo_roc.tis_weights(old, engine_logprobs, tis_cap) if tis_cap else None
                 if mismatch_band:
-                    mask = grpo_roc.sequence_mask(old_lp, elp, mask, m["tid"], mismatch_band)
-                loss, st = grpo_roc.policy_loss(lp, old_lp, m["adv"], mask, eps_low=eps_low, eps_high=eps_high,
-                                                dual_clip=dual_clip or None, num_tokens=n_tokens, weights=weights,
-                                                seq_ids=m["tid"] if ratio_level == "sequence" else None,
-                                                return_stats=True)
+                    mask = grpo_roc.sequence_mask(old, engine_logprobs, mask, micro["traj_index"], mismatch_band)
+                loss, loss_stats = grpo_roc.policy_loss(
+                    logprobs, old, micro["adv"], mask, eps_low=eps_low, eps_high=eps_high,
+                    dual_clip=dual_clip or None, num_tokens=n_tokens, weights=token_weights,
+                    seq_ids=micro["traj_index"] if ratio_level == "sequence" else None, return_stats=True)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
-                # token-weighted means over the whole mini-batch (all ranks, summed below)
-                share = m["mask"].sum() / n_tokens
-                stats["clip_frac"] = stats.get("clip_frac", 0.0) + float(st["clip_frac"] * share) / len(parts)
-                stats["entropy"] = stats.get("entropy", 0.0) + float((ent * m["mask"]).sum() / n_tokens) / len(parts)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            stats["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+                # token-weighted means over the whole mini-batch, averaged over mini-batches (ranks: step 4)
+                share = micro["mask"].sum() / n_tokens
+                sums["clip_frac"] = sums["clip_frac"] + loss_stats["clip_frac"] * share / len(parts)
+                sums["entropy"] = sums["entropy"] + (entropy * micro["mask"]).sum() / n_tokens / len(parts)
+            # optimizer step: one per mini-batch, after clipping the gradients' global norm
+            grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     step += 1
     t_train = time.perf_counter() - t_train
 
-    # 4. metrics: one line and one JSON row per step
+    # 4. metrics: the update's sums over all ranks (one all-reduce), then one line and one JSON row per step
     if dist.is_initialized():
-        summed = torch.tensor([stats.get(k, 0.0) for k in ("clip_frac", "entropy")], device=device)
+        summed = torch.stack(list(sums.values()))
         dist.all_reduce(summed)
-        stats["clip_frac"], stats["entropy"] = summed.tolist()
-        for k in mism:
-            dist.all_reduce(mism[k], op=dist.ReduceOp.MAX if k == "max" else dist.ReduceOp.SUM)
-    n_loss = max(1.0, float(mism["n"]))
-    calls = [c for t in trajs for c in t.calls]
-    pos_calls = [c for t in trajs if t.meta["correct"] for c in t.calls]  # the calls of correct trajectories
-    err = lambda cs: n_failed(cs) / max(1, len(cs))  # noqa: E731
+        sums = dict(zip(sums, summed))
+        dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
+    n_loss = max(1.0, float(sums["n"]))
+    calls = [call for traj in trajs for call in traj.calls]
+    # the calls of correct trajectories
+    correct_calls = [call for traj in trajs if traj.meta["correct"] for call in traj.calls]
+    # the share of tool calls whose status is an error
+    error_share = lambda statuses: n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
         "reward": rewards.mean().item(),
-        "kept": len(kept), "reward_kept": sum(t.meta["reward"] for t in kept) / max(1, len(kept)),
+        "kept": len(kept), "reward_kept": sum(traj.meta["reward"] for traj in kept) / max(1, len(kept)),
         "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
-        "response_len": sum(t.n_response for t in trajs) / len(trajs),
-        "truncated_frac": sum(t.finish == "length" for t in trajs) / len(trajs),
-        "turns": sum(t.turns for t in trajs) / len(trajs),
+        "response_len": sum(traj.n_response for traj in trajs) / len(trajs),
+        "truncated_frac": sum(traj.finish == "length" for traj in trajs) / len(trajs),
+        "turns": sum(traj.turns for traj in trajs) / len(trajs),
         "tool_calls": len(calls) / len(trajs),
-        "tool_err": err(calls), "tool_err_pos": err(pos_calls),
-        "entropy": stats.get("entropy", 0.0), "clip_frac": stats.get("clip_frac", 0.0),
-        "grad_norm": stats.get("grad_norm", 0.0), "lr": optimizer.param_groups[0]["lr"],
+        "tool_err": error_share(calls), "tool_err_pos": error_share(correct_calls),
+        "entropy": float(sums["entropy"]), "clip_frac": float(sums["clip_frac"]),
+        "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
-        "mismatch_abs_mean": float(mism["abs"]) / n_loss, "mismatch_abs_max": float(mism["max"]),
-        "mismatch_kl_k3": float(mism["k3"]) / n_loss, "mismatch_ratio_out": float(mism["out"]) / n_loss,
+        "mismatch_abs_mean": float(sums["abs"]) / n_loss, "mismatch_abs_max": float(mismatch_max),
+        "mismatch_kl_k3": float(sums["k3"]) / n_loss, "mismatch_ratio_out": float(sums["out"]) / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
         "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
         "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
@@ -402,25 +428,27 @@ while step < steps:
         "grade_failed": grader.stats["failed"],
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
-        "tok_per_s": sum(t.n_response for t in trajs) / t_rollout, "generated_here": len(mine),
+        "tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "generated_here": len(mine),
     }
     # each tool the task offers: its calls per trajectory and the share of them that failed
     for name in task_module.TOOLS:
-        statuses = [c for t in trajs for c, tool in zip(t.calls, t.call_tools) if tool == name]
-        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), err(statuses)
+        statuses = [call for traj in trajs for call, tool in zip(traj.calls, traj.call_tools) if tool == name]
+        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), error_share(statuses)
     logger.log(step, metrics)
     print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
            f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "
            f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
            f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
+    # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):
         dump_step(step, mine, trajs)
     if step % save_every == 0 or step == steps:
-        hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
+        # the Hugging Face copy beside the shards: at the last step and every save_hf_every-th save
+        with_hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
         save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer,
                         {"step": step, "cursor": cursor, "data_path": data_path},
-                        hf_dtype=ptdtype if hf else None, keep=keep_checkpoints)
+                        hf_dtype=ptdtype if with_hf else None, keep=keep_checkpoints)
 
 tools.close()
 compute_cleanup()

@@ -68,11 +68,11 @@ def test_fp32_engine_and_trainer_logprobs_agree(tiny, monkeypatch):
     for t in trajs:
         ids = t.prompt_ids + t.response_ids
         pad = [0] * (len(t.prompt_ids) - 1)
-        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": pad + t.mask, "elp": pad + t.logprobs})
+        seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": pad + t.mask, "engine_logprobs": pad + t.logprobs})
     for packed in (False, True):  # padded rows (SDPA's path) and one packed row (flash-attn's layout)
         m = collate(seqs, "cpu", packed)
         with torch.no_grad():
             lp = token_logprobs(model, m["ids"], m["tgt"], m["seg"])
         mask = m["mask"].bool()
-        gap = (lp - m["elp"].float())[mask].abs()
+        gap = (lp - m["engine_logprobs"].float())[mask].abs()
         assert mask.sum() > 300 and gap.max() <= 1e-4, (packed, gap.max())
