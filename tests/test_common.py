@@ -1,6 +1,7 @@
 """common.py and checkpoint.py: token-balanced packing (the same bins as the linear scan it replaced, a
-too-long sequence named at once), checkpoints (written whole or not at all, the newest complete one found, rotation keeps what it
-says, weights and optimizer state restored exactly from the shards), and the metrics log of a resumed run."""
+too-long sequence named at once), checkpoints (written whole or not at all, the newest complete one found,
+rotation keeps what it says, weights and optimizer state restored exactly from the shards), and the metrics
+log of a resumed run."""
 import json
 import os
 import random
