@@ -213,7 +213,8 @@ if __name__ == "__main__":
     import torch
     from transformers import AutoTokenizer
 
-    from common import barrier, compute_cleanup, compute_init, latest_checkpoint, print0, read_jsonl, resolve_model
+    from checkpoint import latest_checkpoint
+    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model
     from configurator import configure
     from model import load_model
     from rollout import Engine, kv_rows

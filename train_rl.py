@@ -46,9 +46,9 @@ from transformers import AutoTokenizer
 import agent
 import grading
 import grpo_roc
-from common import (Logger, barrier, checkpoint_dir, collate, compute_cleanup, compute_init, latest_checkpoint,
-                    load_trainable, load_trainer_state, pack, pack_sorted, print0, read_jsonl, resolve_model,
-                    save_checkpoint)
+from checkpoint import checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
+from common import (Logger, barrier, collate, compute_cleanup, compute_init, pack, pack_sorted, print0, read_jsonl,
+                    resolve_model)
 from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows

@@ -214,7 +214,8 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from common import Logger, collate, compute_cleanup, compute_init, load_trainable, pack, print0, resolve_model
+    from checkpoint import load_trainable
+    from common import Logger, collate, compute_cleanup, compute_init, pack, print0, resolve_model
     from configurator import configure
     from model import save_model, token_logprobs, use_flash
 

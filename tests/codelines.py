@@ -9,6 +9,11 @@ top-level modules (an import inside a function counts: it runs), plus the defaul
 token other than a comment or a docstring: blank lines, comments and docstrings are free, so
 explaining costs nothing. The tools (bench, demo, data, simulate, view) are outside the core, and
 tests/test_codelines.py keeps them there.
+
+It also prints the reading path: the functions a newcomer reads to follow one prompt to one gradient step,
+in order, with their code lines and how many files they span. The sandbox and the grader are read through
+their contracts only (sandbox.Result's statuses, Grader.grade), not their insides. A name that no longer
+resolves fails tests/test_codelines.py, as does a stale anchor in the README's "Where is it in the code".
 """
 import ast
 import io
@@ -22,9 +27,34 @@ TOOLS = ("bench", "demo", "data", "simulate", "view")
 SANDBOX = ("sandbox", "sandbox_worker")
 DEFAULT_TASK = "tasks/math"  # what the `task` key loads unless told otherwise
 BUDGET, SANDBOX_BUDGET = 3400, 800  # ceilings (DESIGN.md), not goals
+# prompt -> rollout -> tool call -> reward -> kept rollouts -> micro-batches -> loss -> new weights
+READING_PATH = (
+    # the prompt and its rollouts, spread over the ranks
+    "train_rl.py:prompt_at", "tasks/math.py:prompt", "agent.py:prompt_text", "scheduler.py:generate",
+    "scheduler.py:make_claim", "rollout.py:Engine.run", "rollout.py:Pager.admit", "rollout.py:Engine.prefill",
+    "rollout.py:Engine.decode", "model.py:Qwen.forward_cached", "rollout.py:Engine.sample",
+    "rollout.py:Engine.step_row",
+    # a turn ends: its tool call goes to the sandbox (the contract: agent.TOOL_STATUSES), its answer comes back
+    "rollout.py:Engine.end_turn", "agent.py:parse_tool_calls", "agent.py:start_call", "agent.py:run_python",
+    "rollout.py:Engine.resume", "agent.py:tool_response_text", "agent.py:tool_suffix_ids",
+    # the reward (the grader's contract), then what every rank learns of every trajectory
+    "grading.py:Grader.grade", "tasks/math.py:answer", "tasks/math.py:grade", "scheduler.py:gather_summaries",
+    # GRPO-RoC: which rollouts are kept, and their advantages
+    "grpo_roc.py:filter_groups", "grpo_roc.py:penalty", "grpo_roc.py:resample_on_correct",
+    "grpo_roc.py:advantages",
+    # micro-batches, the loss and its gradient, the new weights handed to the engine
+    "train_rl.py:plan", "scheduler.py:exchange", "train_rl.py:micro_batch", "common.py:collate",
+    "grpo_roc.py:loss_weights", "model.py:token_logprobs", "model.py:Qwen.forward", "model.py:chunk_logprobs",
+    "grpo_roc.py:policy_loss", "train_rl.py:sync_policy",
+)
 
 
 def code_lines(path):
+    return len(code_line_numbers(path))
+
+
+def code_line_numbers(path):
+    """The numbers of the code lines of a file (see the module docstring)."""
     src = open(path, encoding="utf-8").read()
     docs = set()
     for node in ast.walk(ast.parse(src)):
@@ -39,7 +69,39 @@ def code_lines(path):
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type not in free:
             lines.update(n for n in range(tok.start[0], tok.end[0] + 1) if n not in docs)
-    return len(lines)
+    return lines
+
+
+def resolve(anchor):
+    """The ast node that `file.py:name` (a function, class or module-level name; `Class.method` inside a class)
+    names, relative to the repository root; `file.py` alone is the module. Raises LookupError, naming the
+    anchor, when it does not resolve."""
+    path, _, name = anchor.partition(":")
+    full = os.path.join(ROOT, path)
+    if not path.endswith(".py") or not os.path.isfile(full):
+        raise LookupError(f"{anchor}: no file {path}")
+    node = ast.parse(open(full, encoding="utf-8").read())
+    for part in name.split(".") if name else []:
+        found = None
+        for child in node.body:
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part:
+                found = child
+            elif isinstance(child, ast.Assign) and any(getattr(t, "id", None) == part for t in child.targets):
+                found = child
+        if found is None:
+            raise LookupError(f"{anchor}: {path} has no {part!r} there")
+        node = found
+    return node
+
+
+def reading_path():
+    """(the code lines of each READING_PATH function, in order; the number of files they span)."""
+    counts = []
+    for anchor in READING_PATH:
+        node = resolve(anchor)
+        path = os.path.join(ROOT, anchor.partition(":")[0])
+        counts.append(len(code_line_numbers(path) & set(range(node.lineno, node.end_lineno + 1))))
+    return counts, len({anchor.partition(":")[0] for anchor in READING_PATH})
 
 
 def local_imports(module):
@@ -72,4 +134,7 @@ if __name__ == "__main__":
     ok = total <= BUDGET and box <= SANDBOX_BUDGET
     print(f"core {total} code lines (budget {BUDGET}), sandbox pair {box} (budget {SANDBOX_BUDGET}): "
           f"{'within budget' if ok else 'over budget'}")
+    path_lines, path_files = reading_path()
+    print(f"reading path (prompt -> gradient): {len(READING_PATH)} functions, {sum(path_lines)} code lines "
+          f"in {path_files} files")
     sys.exit(0)

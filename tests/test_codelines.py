@@ -1,7 +1,10 @@
 """The core's size is counted the way the README states it (tests/codelines.py), and no core module imports a
 tool (bench, demo, data, simulate, view): a tool is free to grow, the core is not."""
 import os
+import re
 import sys
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import codelines  # noqa: E402
@@ -20,3 +23,23 @@ def test_code_lines_leave_comments_docstrings_and_blank_lines_free(tmp_path):
                    'S = """a string\nthat is code"""\n')
     # import os / def f / return ( / 1) / S = """ / that is code"""
     assert codelines.code_lines(str(src)) == 6
+
+
+def test_reading_path_resolves_and_is_counted():
+    # every name on the path is a function or method that still exists, with code lines of its own
+    lines, files = codelines.reading_path()
+    assert len(lines) == len(codelines.READING_PATH) and all(n > 0 for n in lines), lines
+    assert files == len({a.partition(":")[0] for a in codelines.READING_PATH})
+    for bad in ("rollout.py:Engine.no_such_method", "nowhere.py:run", "agent.py:NoSuchName"):
+        with pytest.raises(LookupError, match=bad.split(":")[0]):
+            codelines.resolve(bad)
+
+
+def test_readme_map_anchors_resolve():
+    # the README's "Where is it in the code": every `file.py` or `file.py:name` in it names what exists
+    readme = open(os.path.join(codelines.ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("\n## Where is it in the code\n", 1)[1].split("\n## ", 1)[0]
+    anchors = re.findall(r"`([\w/]+\.py(?::[\w.]+)?)`", section)
+    assert len(anchors) >= 40, anchors
+    for anchor in anchors:
+        codelines.resolve(anchor)

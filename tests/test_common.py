@@ -1,6 +1,7 @@
-"""common.py: token-balanced packing (the same bins as the linear scan it replaced, a too-long sequence named
-at once), checkpoints (written whole or not at all, the newest complete one found, rotation keeps what it
-says, weights and optimizer state restored exactly from the shards), and the metrics log of a resumed run."""
+"""common.py and checkpoint.py: token-balanced packing (the same bins as the linear scan it replaced, a
+too-long sequence named at once), checkpoints (written whole or not at all, the newest complete one found,
+rotation keeps what it says, weights and optimizer state restored exactly from the shards), and the metrics
+log of a resumed run."""
 import json
 import os
 import random
@@ -8,8 +9,8 @@ import random
 import pytest
 import torch
 
-from common import (Logger, checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, pack,
-                    pack_sorted, read_jsonl, save_checkpoint)
+from checkpoint import checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
+from common import Logger, pack, pack_sorted, read_jsonl
 from model import Config, Qwen, save_model
 
 

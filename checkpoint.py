@@ -1,0 +1,118 @@
+"""
+Checkpoints (HF-format weights + sharded trainer state) that `--resume` finds again: where they live, how
+they are written whole or not at all, which ones rotation keeps, and how a run loads them back. Split from
+common.py as nanochat keeps its checkpoint_manager.py: common.py stays plumbing that imports nothing of the
+project, this file imports the model.
+"""
+import glob
+import json
+import os
+import random
+import shutil
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import barrier
+from model import load_model, load_weights, save_model, shard_model
+
+# a single process saves and loads its checkpoints with torch.distributed.checkpoint too: it says so each time
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+# checkpoints: out/<run>/step_000300/
+#   state/                model + optimizer shards, torch.distributed.checkpoint: every rank writes its own part
+#   trainer_state.pt      step, data cursor, RNG (rank 0)
+#   config.json, tokenizer
+#   model*.safetensors    HF weights, only where a person needs them (train_rl: the run's last step and every
+#                         save_hf_every-th save): rank 0 alone gathers and writes those, while the others wait
+# A checkpoint is written as step_X.tmp/ and renamed when it is complete, so a run killed mid-save, or out of
+# disk, leaves no step_X/ behind: --resume takes the newest complete one.
+
+def checkpoint_dir(run_dir, step):
+    return os.path.join(run_dir, f"step_{step:06d}")
+
+
+def has_weights(path):
+    """Does path hold HF weights (what eval.py and transformers load)?"""
+    return bool(glob.glob(os.path.join(path, "model*.safetensors")))
+
+
+def checkpoints(run_dir):
+    """The complete checkpoints of a run, oldest first."""
+    return sorted(p for p in glob.glob(os.path.join(run_dir, "step_[0-9]*")) if not p.endswith(".tmp"))
+
+
+def latest_checkpoint(run_dir, weights=False):
+    """The newest complete checkpoint of run_dir (weights=True: the newest with HF weights), or None."""
+    found = [p for p in checkpoints(run_dir) if has_weights(p) or not weights]
+    return found[-1] if found else None
+
+
+def load_trainable(path, device, dtype, activation_checkpointing=False):
+    """The model to train, fp32 master weights: under torchrun FSDP2 shards (dtype = compute dtype), each
+    rank reading only its own part of the checkpoint; else one plain fp32 copy. A checkpoint's own shards
+    (state/) are read when it has them, else its HF weights. Build the optimizer after this: FSDP
+    replaces the parameters it shards."""
+    model = load_model(path, device="meta")
+    if dist.is_initialized():
+        shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
+    if os.path.isdir(os.path.join(path, "state")):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        model.to_empty(device=device)
+        sd = {"model": get_model_state_dict(model)}
+        dcp.load(sd, checkpoint_id=os.path.join(path, "state"))
+        set_model_state_dict(model, sd["model"])
+    else:
+        load_weights(model, path, device)
+    model.gradient_checkpointing = activation_checkpointing
+    return model.train()
+
+
+def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):
+    """Write the checkpoint `path` (layout above), with HF weights in hf_dtype unless it is None; then keep
+    the newest `keep` complete checkpoints of its run (0: all), and every one with HF weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    rank0, tmp = int(os.environ.get("RANK", 0)) == 0, path + ".tmp"
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
+        os.makedirs(tmp)
+    barrier()
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=os.path.join(tmp, "state"))
+    if hf_dtype is not None:
+        save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
+    if rank0:
+        if hf_dtype is None:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
+        tokenizer.save_pretrained(tmp)
+        state = {**state, "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
+                 "rng_torch": torch.get_rng_state()}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    barrier()
+    if rank0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)  # now it is complete
+        for old in checkpoints(os.path.dirname(path))[:-keep] if keep else []:
+            if not has_weights(old):
+                shutil.rmtree(old)
+    barrier()
+
+
+def load_trainer_state(path, model, optimizer):
+    """Restore the optimizer shards and RNG of a checkpoint written by save_checkpoint; returns its state
+    dict (step, cursor, ...). The weights are load_trainable's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(osd, checkpoint_id=os.path.join(path, "state"))
+    set_optimizer_state_dict(model, optimizer, osd["optimizer"])
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    random.setstate(state["rng_python"])
+    np.random.set_state(state["rng_numpy"])
+    torch.set_rng_state(state["rng_torch"])
+    return state
