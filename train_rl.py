@@ -47,8 +47,8 @@ import agent
 import grading
 import grpo_roc
 from checkpoint import checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
-from common import (Logger, barrier, collate, compute_cleanup, compute_init, pack, pack_sorted, print0, read_jsonl,
-                    resolve_model)
+from common import (Logger, barrier, collate, compute_cleanup, compute_init, full_value, pack, pack_sorted, print0,
+                    read_jsonl, resolve_model)
 from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
@@ -218,11 +218,6 @@ def micro_batch(kept, indices, advantages, tokens):
                      "engine_logprobs": np.concatenate([pad, logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
-
-
-def full_value(tensor):
-    """A DTensor's whole value (a collective: every rank must call it), or a plain tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def dump_step(step, mine, summaries):

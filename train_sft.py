@@ -215,7 +215,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import load_trainable
-    from common import Logger, collate, compute_cleanup, compute_init, pack, print0, resolve_model
+    from common import Logger, collate, compute_cleanup, compute_init, full_value, pack, print0, resolve_model
     from configurator import configure
     from model import save_model, token_logprobs, use_flash
 
@@ -331,7 +331,7 @@ if __name__ == "__main__":
             if dist.is_initialized():
                 dist.all_reduce(loss_sum)
             step += 1
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            grad_norm = full_value(grad_norm)
             logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
                               "skipped": skipped})
             if step % log_every == 0 or step == total:
