@@ -10,8 +10,11 @@ as a user would type it, and prints them:
   5. python eval.py              held-out avg@k after RL
   6. out/demo/curves.png + out/demo/summary.md
 
-`python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4 (engine in
-deterministic mode, so the same command gives the same table), evaluates each, and writes the paper's Fig. 4
+Every RL run and eval runs the engine in deterministic mode (tool answers awaited before the next forward, so
+which rows share a forward never depends on timing): the same command prints the same table on a quiet or a busy
+machine. What can still change the digits: another CPU (its kernels round differently) or another thread count.
+
+`python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4, evaluates each, and writes the paper's Fig. 4
 quantity with 95% intervals over the seeds and of the paired difference: out/demo/seeds.md, out/demo/seeds.png.
 
 `python demo.py --seeds=5 --recover` is the same study on a variant where RoC has something to select: 60% of the
@@ -65,7 +68,7 @@ def sh(done, *args):
 def evaluate(model, name):
     name = name.replace(" ", "_").replace("+", "")  # a directory name: "bf16 engine + TIS" -> bf16_engine__TIS
     sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
-       f"--out_dir={out}/eval_{name}", f"--seed={seed}", *paths["data"])
+       f"--out_dir={out}/eval_{name}", f"--seed={seed}", "--deterministic=true", *paths["data"])
     with open(f"{out}/eval_{name}/summary.json") as f:
         return json.load(f)
 
@@ -165,8 +168,8 @@ if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp3
     runs["bf16 engine"] = (f"{root}/tiny-bf16", ["--rollout_dtype=bfloat16"])
     runs["bf16 engine + TIS"] = (f"{root}/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
 for name, (d, extra) in runs.items():
-    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}", *paths["rl"],
-       *extra)
+    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}",
+       "--deterministic=true", *paths["rl"], *extra)
 runs = {name: d for name, (d, _) in runs.items()}
 steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}

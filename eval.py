@@ -236,6 +236,7 @@ if __name__ == "__main__":
     tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
+    deterministic = False  # True: the same numbers on a busy machine too (tool answers awaited; static split)
     tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks
     tool_timeout = 4.0  # seconds per tool call
     tool_memory = 256 << 20  # bytes of address space per tool call (code-judge's MAX_MEMORY default)
@@ -250,6 +251,8 @@ if __name__ == "__main__":
     dtype = "bfloat16"  # "float32" on CPU
     dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     cfg = configure(globals())
+    if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
+        rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
@@ -311,7 +314,7 @@ if __name__ == "__main__":
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
                         max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
-                        tool_table=task_module.TOOLS)
+                        deterministic=deterministic, tool_table=task_module.TOOLS)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
