@@ -14,8 +14,9 @@ Every RL run and eval runs the engine in deterministic mode (tool answers awaite
 which rows share a forward never depends on timing): the same command prints the same table on a quiet or a busy
 machine. What can still change the digits: another CPU (its kernels round differently) or another thread count.
 
-`python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4, evaluates each, and writes the paper's Fig. 4
-quantity with 95% intervals over the seeds and of the paired difference: out/demo/seeds.md, out/demo/seeds.png.
+`python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4, evaluates
+each, and writes the paper's Fig. 4 quantity with 95% intervals over the seeds and of the paired difference:
+out/demo/seeds.md, out/demo/seeds.png, and the numbers of both in out/demo/seeds.json.
 
 `python demo.py --seeds=5 --recover` is the same study on a variant where RoC has something to select: 60% of the
 SFT traces (not 25%) start with a failing call (a typo, a wrong name, a missing parenthesis) that the next turn
@@ -43,15 +44,28 @@ import matplotlib.pyplot as plt
 import agent
 from common import read_jsonl, read_metrics
 
-compare, mismatch = "--compare" in sys.argv, "--mismatch" in sys.argv
-seed = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seed=")), 0)
-n_seeds = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--seeds=")), 0)
-recover = "--recover" in sys.argv
-root = "out/recover" if recover else "out"  # the recover variant keeps its own data, model and runs
+FLAGS, VALUED = ("--compare", "--mismatch", "--recover"), ("--seed=", "--seeds=", "--out=", "--rl.", "--eval.")
+for arg in sys.argv[1:]:
+    if arg not in FLAGS and not (arg.startswith(VALUED) and "=" in arg):
+        sys.exit(f"demo.py: unknown argument {arg!r}; it takes {', '.join(FLAGS)}, --seed=S, --seeds=N, --out=DIR, "
+                 "--rl.KEY=VALUE (passed to every train_rl.py run) and --eval.KEY=VALUE (to every eval.py run)")
+compare, mismatch, recover = (flag in sys.argv for flag in FLAGS)
+
+
+def value(key, default):
+    return next((arg.split("=", 1)[1] for arg in sys.argv if arg.startswith(key + "=")), default)
+
+
+seed, n_seeds = int(value("--seed", 0)), int(value("--seeds", 0))
+base = value("--out", "out")  # the default pipeline's data, SFT model and runs
+root = f"{base}/recover" if recover else base  # the recover variant keeps its own data, model and runs
 out = f"{root}/demo"
-# the recover variant's paths, passed to every command (the plain demo runs on the configs' defaults)
-paths = dict(data=[f"--data_path={root}/data/heldout.jsonl"], rl=[f"--model_path={root}/tiny-sft",
-             f"--data_path={root}/data/train.jsonl"]) if recover else dict(data=[], rl=[])
+# every command gets its paths spelled out (for the default pipeline they are the configs' defaults), and the
+# --rl.KEY=VALUE / --eval.KEY=VALUE settings (a toy-size run in tests: --rl.steps=2 --eval.samples=2)
+heldout = [f"--data_path={root}/data/heldout.jsonl",
+           *("--" + a[len("--eval."):] for a in sys.argv if a.startswith("--eval."))]
+policy = [f"--model_path={root}/tiny-sft", f"--data_path={root}/data/train.jsonl",
+          *("--" + a[len("--rl."):] for a in sys.argv if a.startswith("--rl."))]
 os.makedirs(out, exist_ok=True)
 t_start = time.time()
 
@@ -68,16 +82,24 @@ def sh(done, *args):
 def evaluate(model, name):
     name = name.replace(" ", "_").replace("+", "")  # a directory name: "bf16 engine + TIS" -> bf16_engine__TIS
     sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
-       f"--out_dir={out}/eval_{name}", f"--seed={seed}", "--deterministic=true", *paths["data"])
+       f"--out_dir={out}/eval_{name}", f"--seed={seed}", "--deterministic=true", *heldout)
     with open(f"{out}/eval_{name}/summary.json") as f:
         return json.load(f)
 
 
-sh(f"{root}/data/sft.jsonl", "data.py", "prepare", f"--out={root}/tiny-base", "--n_sft=5000", f"--seed={seed}",
-   *(["--error_rate=0.6"] if recover else []))
-sh(f"{root}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",
-   *([f"--model_path={root}/tiny-base", f"--data_mix=[('{root}/data/sft.jsonl', 'rstar2', 1.0)]",
-      f"--out_dir={root}/tiny-sft"] if recover else []))
+sh(f"{base}/data/sft.jsonl", "data.py", "prepare", f"--out={base}/tiny-base", "--n_sft=5000", f"--seed={seed}")
+sh(f"{base}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",
+   f"--model_path={base}/tiny-base", f"--data_mix=[('{base}/data/sft.jsonl', 'rstar2', 1.0)]",
+   f"--out_dir={base}/tiny-sft")
+if recover:
+    # the same problems traced again, now with 60% of the first calls failing and fixed on the next turn
+    sh(f"{root}/data/sft.jsonl", "data.py", "prepare", f"--out={root}/tiny-base", "--n_sft=5000", f"--seed={seed}",
+       "--error_rate=0.6")
+    # one more SFT epoch on them, from the default SFT model: it already copies numbers into code reliably, which
+    # a model trained on these traces from scratch did not learn in the same 4 epochs (8% held-out accuracy)
+    sh(f"{root}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",
+       f"--model_path={base}/tiny-sft", f"--data_mix=[('{root}/data/sft.jsonl', 'rstar2', 1.0)]", "--epochs=1",
+       "--lr=1e-3", f"--out_dir={root}/tiny-sft")
 before = evaluate(f"{root}/tiny-sft", "sft")
 
 
@@ -115,7 +137,7 @@ def seed_study(n):
         for arm, extra in arms.items():
             d = f"{root}/seeds/{arm.lower()}-s{s}"
             sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={s}",
-               "--deterministic=true", "--dump_every=0", *paths["rl"], *extra)
+               "--deterministic=true", "--dump_every=0", *policy, *extra)
             m = read_metrics(d)
             ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
@@ -123,7 +145,9 @@ def seed_study(n):
                               "acc": ev["avg@k"], "len": ev["mean_length"], "calls": ev["tool_calls"],
                               "curve": [r["tool_err_pos"] for r in m]})
 
-    def ci(xs):  # mean and the half-width of its 95% interval (Student's t over the seeds)
+    def ci(xs):  # mean and the half-width of its 95% interval (Student's t over the seeds); one seed: no interval
+        if len(xs) < 2:
+            return statistics.fmean(xs), float("nan")
         return statistics.fmean(xs), student_t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
     keys = [("first", "tool error ratio in correct traj., first 20 steps", 4), ("last", "... last 20 steps", 4),
             ("acc", "held-out avg@4", 3), ("len", "mean response length", 1), ("calls", "tool calls / answer", 2)]
@@ -137,15 +161,18 @@ def seed_study(n):
             "{:.{p}f} ± {:.{p}f}".format(*ci([r[k] for r in rows[arm]]), p=p) for k, _, p in keys) + " |")
     lines.append("| paired | RoC − GRPO | " + " | ".join("{:+.{p}f} ± {:.{p}f}".format(*ci(
         [a[k] - b[k] for a, b in zip(rows["GRPO-RoC"], rows["GRPO"])]), p=p) for k, _, p in keys) + " |")
-    text = "\n".join(lines) + f"\n\n{n} seeds; wall time {(time.time() - t_start) / 60:.1f} min\n"
+    intervals = "" if n > 1 else " (one seed: no intervals)"
+    text = "\n".join(lines) + f"\n\n{n} seed(s){intervals}; wall time {(time.time() - t_start) / 60:.1f} min\n"
     open(f"{out}/seeds.md", "w").write(text)
     print("\n" + text)
     fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = {}
     for i, arm in enumerate(arms):
         w = 5  # the 5-step moving average of every seed, then mean and 95% band over the seeds
         smooth = [[sum(c[max(0, j - w + 1):j + 1]) / len(c[max(0, j - w + 1):j + 1]) for j in range(len(c))]
                   for c in (r["curve"] for r in rows[arm])]
         mean, half = zip(*(ci(col) for col in zip(*smooth)))
+        plotted[arm] = {"mean": mean, "half": half}
         steps = range(1, len(mean) + 1)
         ax.plot(steps, mean, color=f"C{i}", label=f"{arm} (mean of {n} seeds)")
         ax.fill_between(steps, [m - h for m, h in zip(mean, half)], [m + h for m, h in zip(mean, half)],
@@ -155,6 +182,9 @@ def seed_study(n):
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{out}/seeds.png", dpi=100)
+    # what the table and the plot show, as numbers (tests/test_demo.py checks them against the runs' metrics)
+    with open(f"{out}/seeds.json", "w") as f:
+        json.dump({"rows": rows, "plotted": plotted}, f)
     print(f"plot: {out}/seeds.png")
 
 
@@ -169,7 +199,7 @@ if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp3
     runs["bf16 engine + TIS"] = (f"{root}/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
 for name, (d, extra) in runs.items():
     sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}",
-       "--deterministic=true", *paths["rl"], *extra)
+       "--deterministic=true", *policy, *extra)
 runs = {name: d for name, (d, _) in runs.items()}
 steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}

@@ -225,3 +225,35 @@ def test_the_gpu_bench_dry_runs_on_the_cpu(sft, tmp_path):
     assert [r["batch"] for r in report["decode"]] == [1, 1, 2, 2, 4, 4]
     (step,) = report["rl"]["steps"]
     assert 0 <= step["reward"] <= 1 and step["t_rollout"] > 0
+
+
+def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
+    """`python demo.py --seeds=N` at toy size (2 RL steps, one seed, 2 samples): both arms train from the same SFT
+    model and are evaluated; the Fig. 4 curve it plots is each run's own tool_err_pos, its table's means are
+    those of the metrics, and its accuracy is the eval's. Stages whose outputs exist are skipped, so the
+    fixture's data and SFT model stand in for data.py prepare and train_sft.py."""
+    root = tmp_path / "demo"
+    shutil.copytree(sft / "data", root / "data")
+    shutil.copy(sft / "data" / "rl.jsonl", root / "data" / "train.jsonl")  # problems the SFT model solves at times
+    shutil.copytree(sft / "sft", root / "tiny-sft")
+    run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=2", "--rl.prompts_per_step=4", "--rl.samples_per_prompt=8",
+        "--rl.keep_per_prompt=4", "--rl.max_response_tokens=96", "--rl.lr=1e-3", "--rl.warmup_steps=1",
+        "--rl.tool_workers=1", "--rl.save_every=2", "--eval.samples=2", "--eval.max_response_tokens=96",
+        "--eval.tool_workers=1")
+    shown = json.load(open(root / "demo" / "seeds.json"))
+    table = open(root / "demo" / "seeds.md").read()
+    for arm, run_name in [("GRPO-RoC", "grpo-roc"), ("GRPO", "grpo")]:
+        metrics = [json.loads(line) for line in open(root / "seeds" / f"{run_name}-s0" / "metrics.jsonl")]
+        curve = [m["tool_err_pos"] for m in metrics]
+        (row,) = shown["rows"][arm]
+        assert len(curve) == 2 and row["curve"] == curve
+        assert row["first"] == row["last"] == pytest.approx(sum(curve) / 2)  # 2 steps: both windows hold both
+        # one seed: the plotted mean is the 5-step moving average of the run's own curve, with no band
+        assert shown["plotted"][arm]["mean"] == pytest.approx([curve[0], (curve[0] + curve[1]) / 2])
+        evaluated = json.load(open(root / "demo" / f"eval_seeds_{arm}_s0" / "summary.json"))
+        assert row["acc"] == evaluated["avg@k"] and evaluated["samples"] == 2
+        assert f"| 0 | {arm} | {row['first']:.4f} | {row['last']:.4f} | {row['acc']:.3f} |" in table
+    assert "one seed: no intervals" in table and os.path.getsize(root / "demo" / "seeds.png") > 0
+    # a misspelt flag is named, not ignored
+    out = run("demo.py", f"--out={root}", "--seed=0", "--compre", check=False)
+    assert out.returncode != 0 and "'--compre'" in out.stderr
