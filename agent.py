@@ -283,6 +283,21 @@ def start_call(call, tools, sandbox):
         return rec, None
 
 
+def call_faults(records):
+    """The tool-format health of a trajectory's calls (their records, in order), one label a call: "unparsed"
+    (no JSON object with a string name), "unknown_tool" (a name the table lacks), "repeat" (the same tool and
+    arguments as the call before it), else "". The first two are start_call's records without a tool."""
+    faults, previous = [], None
+    for rec in records:
+        call = (rec.get("tool"), rec.get("arguments"))
+        if not call[0] and rec.get("status") == "invalid":
+            faults.append("unknown_tool" if rec.get("output", "").startswith(EXEC_ERROR) else "unparsed")
+        else:
+            faults.append("repeat" if call == previous else "")
+        previous = call if call[0] else None
+    return faults
+
+
 def truncate(text, max_chars):
     """The release's cut: the first and last max_chars // 2 characters around "...(truncated)..."."""
     if max_chars < 2:
@@ -433,9 +448,6 @@ def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
 
 # -----------------------------------------------------------------------------
 # reading the answer (grading.py scores it)
-
-_ZERO = {"reward": 0.0, "answers": 0, "pred": None}  # a grade that could not be made
-
 
 def mask_runs(tokenizer, ids, mask):
     """[[text, m], ...]: the response decoded in runs of equal loss-mask value (1: sampled by the policy,

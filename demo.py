@@ -120,7 +120,7 @@ def seed_study(n):
             ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             rows[arm].append({"seed": s, "first": mean(m[:20], "tool_err_pos"), "last": mean(m[-20:], "tool_err_pos"),
-                              "acc": ev["avg@k"], "len": ev["mean_length"], "calls": ev["tool_calls"],
+                              "acc": ev["avg@k"], "len": ev["response_len"], "calls": ev["tool_calls"],
                               "curve": [r["tool_err_pos"] for r in m]})
 
     def ci(xs):  # mean and the half-width of its 95% interval (Student's t over the seeds)
@@ -209,7 +209,7 @@ table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | to
          "|---|---|---|---|---|---|---|"]
 for name, s in rows:
     table.append(f"| {name} | {100 * s['avg@k']:.1f}% | {100 * s['avg@k_se']:.1f} | {100 * s['pass@k']:.1f}% | "
-                 f"{s['tool_calls']:.2f} | {s['tool_error_ratio']:.3f} | {s['mean_length']:.0f} |")
+                 f"{s['tool_calls']:.2f} | {s['tool_err']:.3f} | {s['response_len']:.0f} |")
 last = {n: read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
 summary = "\n".join(table) + "\n\n" + "\n".join(
     f"- {n}: tool error ratio among positive trajectories, mean of the last {len(m)} RL steps: "

@@ -57,7 +57,6 @@ as the released code does).
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -69,7 +68,7 @@ from tqdm import tqdm
 import agent
 import grading
 from rollout import Request
-from scheduler import Lazy, gather, generate, summarize
+from scheduler import Lazy, dump_line, gather, generate, join_parts, summarize
 
 
 # -----------------------------------------------------------------------------
@@ -111,15 +110,15 @@ def metrics(groups):
     trajs = [t for g in groups for t in g]
     per_problem = []
     for i, g in enumerate(groups):
-        c = sum(bool(t.meta["correct"]) for t in g)
-        win = majority_vote([t.meta["pred"] for t in g])
+        c = sum(bool(t.correct) for t in g)
+        win = majority_vote([t.pred for t in g])
         calls = [s for t in g for s in t.calls]
         per_problem.append({
-            "index": i, "gold": g[0].meta.get("answer"), "samples": k, "correct": c, "accuracy": c / k,
-            "maj_answer": None if win is None else g[win].meta["pred"],
-            "maj_correct": 0.0 if win is None else float(g[win].meta["correct"]),
-            "answers": [t.meta["pred"] for t in g],
-            "mean_length": statistics.fmean(t.n_response for t in g),
+            "index": i, "gold": g[0].answer, "samples": k, "correct": c, "accuracy": c / k,
+            "maj_answer": None if win is None else g[win].pred,
+            "maj_correct": 0.0 if win is None else float(g[win].correct),
+            "preds": [t.pred for t in g],
+            "response_len": statistics.fmean(t.n_response for t in g),
             "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
             "truncated": sum(t.finish == "length" for t in g),
         })
@@ -135,14 +134,14 @@ def metrics(groups):
            for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
         "pass@k": statistics.fmean(pass_at_k(k, p["correct"], k) for p in per_problem),
         "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
-        "mean_length": statistics.fmean(lengths), "median_length": statistics.median(lengths),
-        "mean_model_tokens": statistics.fmean(model_tokens), "median_model_tokens": statistics.median(model_tokens),
+        "response_len": statistics.fmean(lengths), "response_len_median": statistics.median(lengths),
+        "sampled_len": statistics.fmean(model_tokens), "sampled_len_median": statistics.median(model_tokens),
         "turns": statistics.fmean(t.turns for t in trajs),
         "tool_calls": len(statuses) / len(trajs),
-        "tool_error_ratio": sum(s in agent.TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
-        "truncation_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
-        "max_turns_ratio": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
-        "no_answer_ratio": sum(not t.meta["pred"] for t in trajs) / len(trajs),
+        "tool_err": sum(s in agent.TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
+        "truncated_frac": sum(t.finish == "length" for t in trajs) / len(trajs),
+        "max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
+        "no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
     }
     return summary, per_problem
 
@@ -153,8 +152,8 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     Sample `samples` trajectories for every problem (the task's rows, by default tasks/math.py's {"question",
     "answer"}; prompt_ids: their rendered prompts, if already tokenized) with the engine's own sampling settings
     and tools, `budget` response tokens each, graded by the task's grade(); under torchrun the work is shared
-    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
-    sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
+    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory,
+    summary) sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """
     if samples < 1:
@@ -177,10 +176,9 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
         for t, fut in list(waiting):
             if final is not None or fut.done():
-                t.meta.update(fut.result() if fut.done() else final[t.key])
-                summaries.append(summarize(t))
+                summaries.append(summarize(t, fut.result() if fut.done() else final[t.key]))
                 if on_graded is not None:
-                    on_graded(t)
+                    on_graded(t, summaries[-1])
                 waiting.remove((t, fut))
 
     def on_finish(traj):
@@ -299,14 +297,9 @@ if __name__ == "__main__":
     part = os.path.join(out_dir, f"trajectories.jsonl.{rank}")
     dump = open(part, "w") if save_trajectories else None
 
-    def write(t):  # train_rl.py's dump record (view.py reads both), + "pred"; written by the rank that made it
-        dump.write(json.dumps({
-            "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]].get("question"),
-            "answer": t.meta["answer"], "correct": t.meta["correct"], "prompt": tokenizer.decode(t.prompt_ids),
-            "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
-            "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
-            "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
-            ensure_ascii=False) + "\n")
+    def write(traj, summary):  # train_rl.py's dump record, written by the rank that made the trajectory
+        dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
+                             tokenizer.decode(traj.prompt_ids)))
 
     t0 = time.time()
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
@@ -334,20 +327,20 @@ if __name__ == "__main__":
         table += [f"| {key} | {100 * summary[key]:.2f}% |" for key in summary
                   if key.startswith("pass@") and key != "pass@k"]
         table += [f"| maj@{k} | {100 * summary['maj@k']:.2f}% |",
-                  f"| mean / median length (tokens, all) | {summary['mean_length']:.1f} / {summary['median_length']:.1f} |",
-                  f"| mean / median length (model tokens) | {summary['mean_model_tokens']:.1f} / {summary['median_model_tokens']:.1f} |",
+                  f"| mean / median length (tokens, all) | {summary['response_len']:.1f} / {summary['response_len_median']:.1f} |",
+                  f"| mean / median length (model tokens) | {summary['sampled_len']:.1f} / {summary['sampled_len_median']:.1f} |",
                   f"| turns per answer | {summary['turns']:.2f} |",
                   f"| tool calls per answer | {summary['tool_calls']:.2f} |",
-                  f"| tool error ratio | {summary['tool_error_ratio']:.3f} |",
-                  f"| truncation ratio (length) | {summary['truncation_ratio']:.3f} |",
-                  f"| max-turns ratio | {summary['max_turns_ratio']:.3f} |",
-                  f"| no-answer ratio | {summary['no_answer_ratio']:.3f} |",
+                  f"| tool error ratio | {summary['tool_err']:.3f} |",
+                  f"| truncation ratio (length) | {summary['truncated_frac']:.3f} |",
+                  f"| max-turns ratio | {summary['max_turns_frac']:.3f} |",
+                  f"| no-answer ratio | {summary['no_answer_frac']:.3f} |",
                   f"| wall time | {wall:.1f} s |"]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]
         per += [f"| {p['index']} | {cell(p.get('id', ''))} | {cell(p['gold'])} | {p['correct']}/{k} | "
-                f"{cell(p['maj_answer'])} | {p['mean_length']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
+                f"{cell(p['maj_answer'])} | {p['response_len']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
                 f"{p['truncated']} |" for p in per_problem]
         print("\n".join(table[4:]))
         with open(os.path.join(out_dir, "summary.md"), "w") as f:
@@ -357,11 +350,7 @@ if __name__ == "__main__":
         with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
         if save_trajectories:  # the ranks' parts, one after the other: sort by (group, sample) to read in order
-            with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
-                for r in range(world):
-                    with open(os.path.join(out_dir, f"trajectories.jsonl.{r}")) as p:
-                        shutil.copyfileobj(p, f)
-                    os.remove(os.path.join(out_dir, f"trajectories.jsonl.{r}"))
+            join_parts(os.path.join(out_dir, "trajectories.jsonl"), world)
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         for path, fewest, most, rule in [(keep_unsolved, 0, k - 1, "pass rate < 1"),

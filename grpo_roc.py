@@ -196,12 +196,12 @@ def positives(rewards):
     return (rewards > rewards.mean(dim=-1, keepdim=True)) | (rewards == 1)
 
 
-def group_kind(grades):
-    """The label of one group's 2G grades (dicts with reward and correct): "mixed" when the rewards differ
-    (the group trains), else "all_correct" when every one is correct, else "all_wrong"."""
-    if len({g["reward"] for g in grades}) > 1:
+def group_kind(group):
+    """The label of one group's 2G trajectories (anything with .reward and .correct: scheduler.Summary): "mixed"
+    when the rewards differ (the group trains), else "all_correct" when every one is correct, else "all_wrong"."""
+    if len({traj.reward for traj in group}) > 1:
         return "mixed"
-    return "all_correct" if all(g["correct"] for g in grades) else "all_wrong"
+    return "all_correct" if all(traj.correct for traj in group) else "all_wrong"
 
 
 def adv_group_std(rewards, eps=1e-6):

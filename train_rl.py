@@ -32,10 +32,8 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 import functools
 import glob
 import gzip
-import json
 import math
 import os
-import shutil
 import time
 
 import numpy as np
@@ -53,7 +51,7 @@ from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import exchange, gather_summaries, generate
+from scheduler import dump_line, exchange, gather_summaries, generate, join_parts
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
@@ -210,12 +208,12 @@ def micro_batch(kept, indices, advantages, tokens):
     tagged with its trajectory's advantage and index into `kept` (traj_index)."""
     seqs = []
     for index in indices:
-        _key, prompt, response, mask, logprobs = tokens[kept[index].key]
-        seq, pad = np.concatenate([prompt, response]), np.zeros(len(prompt) - 1)
+        traj = tokens[kept[index].key]
+        seq, pad = np.concatenate([traj.prompt_ids, traj.response_ids]), np.zeros(len(traj.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
-                     "mask": np.concatenate([pad, mask]),  # loss only on sampled tokens
+                     "mask": np.concatenate([pad, traj.mask]),  # loss only on sampled tokens
                      # the engine's log-prob of each sampled token
-                     "engine_logprobs": np.concatenate([pad, logprobs]),
+                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
@@ -223,29 +221,21 @@ def micro_batch(kept, indices, advantages, tokens):
 def dump_step(step, mine, summaries):
     """Every trajectory of the step as gzip JSONL: what a person reads (view.py) to see what the policy wrote,
     what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
-    parts to one file (gzip members concatenate), in rank order: readers sort by (group, sample)."""
+    parts to one file, in rank order: readers sort by (group, sample)."""
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    by_key, prompts = {s.key: s for s in summaries}, {}
+    by_key, prompts = {summary.key: summary for summary in summaries}, {}
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
-        for t in mine:
-            b, i, s = t.key[1], t.meta["problem"], by_key[t.key]
-            kind = grpo_roc.group_kind([x.meta for x in summaries[b * n_sample:(b + 1) * n_sample]])
-            prompts[i] = prompts.get(i) or tokenizer.decode(t.prompt_ids)  # a group's samples share their prompt
-            f.write(json.dumps({
-                "step": step, "group": b, "sample": t.key[2], "question": problems[i].get("question"),
-                "answer": t.meta["answer"], "prompt": prompts[i], "correct": t.meta["correct"],
-                "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
-                "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"], "finish": t.finish,
-                "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind, "penalty": s.rl.get("penalty"),
-                "kept": "advantage" in s.rl, "advantage": s.rl.get("advantage")}, ensure_ascii=False) + "\n")
+        for traj in mine:
+            summary, group = by_key[traj.key], traj.key[1]
+            kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
+            if summary.problem not in prompts:  # a group's samples share their prompt: decoded once
+                prompts[summary.problem] = tokenizer.decode(traj.prompt_ids)
+            f.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
+                              prompts[summary.problem], step=step, group_kind=kind))
     barrier()
     if rank == 0:
-        with open(path, "wb") as out:
-            for r in range(world):
-                with open(f"{path}.{r}", "rb") as part:
-                    shutil.copyfileobj(part, out)
-                os.remove(f"{path}.{r}")
+        join_parts(path, world)
 
 
 def n_failed(statuses):
@@ -281,15 +271,13 @@ while step < steps:
     # the grades of this rank's trajectories, made while the engine went on decoding; then what every rank
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
     grades = grader.results()
-    for traj in mine:
-        traj.meta.update(grades[traj.key])
     t_grade = time.perf_counter() - step_start - t_rollout
-    trajs = gather_summaries(mine)
+    trajs = gather_summaries(mine, grades)
     t_gather = time.perf_counter() - step_start - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
     groups = [trajs[group * n_sample:(group + 1) * n_sample] for group in range(prompts_per_step)]
-    rewards = torch.tensor([[traj.meta["reward"] for traj in group] for group in groups])  # (B, 2G)
+    rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     # per kept group: its kept samples, their rewards, and on which side of RoC each was kept
@@ -298,12 +286,12 @@ while step < steps:
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            penalties = [grpo_roc.penalty(len(traj.calls), n_failed(traj.calls), traj.meta["answers"], traj.turns)
+            penalties = [grpo_roc.penalty(len(traj.calls), n_failed(traj.calls), traj.n_answers, traj.turns)
                          for traj in groups[group]]
             chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
                                                   generator, mode=roc_mode).tolist()
             for traj, penalty in zip(groups[group], penalties):
-                traj.rl["penalty"] = penalty
+                traj.penalty = penalty
         kept.append([groups[group][index] for index in chosen])
         kept_rewards.append(rewards[group, chosen])
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
@@ -320,7 +308,7 @@ while step < steps:
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
         kept = [traj for group in kept for traj in group]
         for traj, advantage in zip(kept, advantages):
-            traj.rl["advantage"] = advantage  # also marks it kept, for the dump
+            traj.advantage, traj.kept = advantage, True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
@@ -397,12 +385,12 @@ while step < steps:
     n_loss = max(1.0, float(sums["n"]))
     calls = [call for traj in trajs for call in traj.calls]
     # the calls of correct trajectories
-    correct_calls = [call for traj in trajs if traj.meta["correct"] for call in traj.calls]
+    correct_calls = [call for traj in trajs if traj.correct for call in traj.calls]
     # the share of tool calls whose status is an error
     error_share = lambda statuses: n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
         "reward": rewards.mean().item(),
-        "kept": len(kept), "reward_kept": sum(traj.meta["reward"] for traj in kept) / max(1, len(kept)),
+        "kept": len(kept), "reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
         "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
         "response_len": sum(traj.n_response for traj in trajs) / len(trajs),
         "truncated_frac": sum(traj.finish == "length" for traj in trajs) / len(trajs),
