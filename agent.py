@@ -161,6 +161,11 @@ TOOL_STATUSES = {
 TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
 
+def n_failed(statuses):
+    """How many of these call statuses are failures (TOOL_ERRORS)."""
+    return sum(status in TOOL_ERRORS for status in statuses)
+
+
 @dataclass
 class Tool:
     """One tool: `schema`, the OpenAI-format function schema the prompt lists (its function.name is the name

@@ -33,11 +33,12 @@ Metrics (summary.json, summary.md, printed):
                  winning answer is correct. The answers are the task's predictions (task.answer). It is
                  a plain string vote: answers that math-verify finds equal but that are written
                  differently ("1/2", "0.5") are counted apart.
-  lengths        mean / median response tokens (everything after the prompt, tool responses included)
-                 and model tokens (the sampled ones, mask 1)
-  behaviour      turns and tool calls per answer, tool error ratio (calls with status invalid / error /
-                 timeout / memory / crash over all calls), truncation ratio (finish == "length"),
-                 max-turns ratio, no-answer ratio
+  rollout/       mean / median response tokens (response_len: everything after the prompt, tool responses
+                 included) and sampled ones (sampled_len, mask 1); turns per answer; the shares of answers cut by
+                 the budget (truncated_frac), by the turn limit (max_turns_frac) and without an answer
+  tool/          calls per answer, the share that failed (err: status invalid / error / timeout / memory / crash;
+                 err_pos: in correct answers), did not parse (unparsed), named no tool (unknown_tool), or repeated
+                 the call before (repeat). rollout/ and tool/ keys are those train_rl.py logs each step
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
 trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
 order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
@@ -68,7 +69,7 @@ from tqdm import tqdm
 import agent
 import grading
 from rollout import Request
-from scheduler import Lazy, dump_line, gather, generate, join_parts, summarize
+from scheduler import Lazy, dump_line, gather, generate, join_parts, rollout_metrics, summarize
 
 
 # -----------------------------------------------------------------------------
@@ -119,13 +120,12 @@ def metrics(groups):
             "maj_correct": 0.0 if win is None else float(g[win].correct),
             "preds": [t.pred for t in g],
             "response_len": statistics.fmean(t.n_response for t in g),
-            "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
+            "tool_calls": len(calls), "tool_errors": agent.n_failed(calls),
             "truncated": sum(t.finish == "length" for t in g),
         })
     accs = [p["accuracy"] for p in per_problem]
     lengths = [t.n_response for t in trajs]
     model_tokens = [t.n_sampled for t in trajs]
-    statuses = [s for t in trajs for s in t.calls]
     summary = {
         "problems": len(groups), "samples": k,
         "avg@k": statistics.fmean(accs),
@@ -134,14 +134,12 @@ def metrics(groups):
            for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
         "pass@k": statistics.fmean(pass_at_k(k, p["correct"], k) for p in per_problem),
         "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
-        "response_len": statistics.fmean(lengths), "response_len_median": statistics.median(lengths),
-        "sampled_len": statistics.fmean(model_tokens), "sampled_len_median": statistics.median(model_tokens),
-        "turns": statistics.fmean(t.turns for t in trajs),
-        "tool_calls": len(statuses) / len(trajs),
-        "tool_err": sum(s in agent.TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
-        "truncated_frac": sum(t.finish == "length" for t in trajs) / len(trajs),
-        "max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
-        "no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
+        # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
+        **rollout_metrics(trajs),
+        "rollout/response_len_median": statistics.median(lengths),
+        "rollout/sampled_len": statistics.fmean(model_tokens), "rollout/sampled_len_median": statistics.median(model_tokens),
+        "rollout/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
+        "rollout/no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
     }
     return summary, per_problem
 
@@ -327,14 +325,14 @@ if __name__ == "__main__":
         table += [f"| {key} | {100 * summary[key]:.2f}% |" for key in summary
                   if key.startswith("pass@") and key != "pass@k"]
         table += [f"| maj@{k} | {100 * summary['maj@k']:.2f}% |",
-                  f"| mean / median length (tokens, all) | {summary['response_len']:.1f} / {summary['response_len_median']:.1f} |",
-                  f"| mean / median length (model tokens) | {summary['sampled_len']:.1f} / {summary['sampled_len_median']:.1f} |",
-                  f"| turns per answer | {summary['turns']:.2f} |",
-                  f"| tool calls per answer | {summary['tool_calls']:.2f} |",
-                  f"| tool error ratio | {summary['tool_err']:.3f} |",
-                  f"| truncation ratio (length) | {summary['truncated_frac']:.3f} |",
-                  f"| max-turns ratio | {summary['max_turns_frac']:.3f} |",
-                  f"| no-answer ratio | {summary['no_answer_frac']:.3f} |",
+                  f"| mean / median length (tokens, all) | {summary['rollout/response_len']:.1f} / {summary['rollout/response_len_median']:.1f} |",
+                  f"| mean / median length (model tokens) | {summary['rollout/sampled_len']:.1f} / {summary['rollout/sampled_len_median']:.1f} |",
+                  f"| turns per answer | {summary['rollout/turns']:.2f} |",
+                  f"| tool calls per answer | {summary['tool/calls']:.2f} |",
+                  f"| tool error ratio | {summary['tool/err']:.3f} |",
+                  f"| truncation ratio (length) | {summary['rollout/truncated_frac']:.3f} |",
+                  f"| max-turns ratio | {summary['rollout/max_turns_frac']:.3f} |",
+                  f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
                   f"| wall time | {wall:.1f} s |"]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]

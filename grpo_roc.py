@@ -54,7 +54,7 @@ rewards that are not 0/1, one for RoC, the advantages and the labels:
   mean, a kept 0 never above it). Without RoC (plain GRPO) there are no sides and no such bound.
 - a group whose 2G rewards are all equal is dropped (no signal, whatever the value); the dump labels it
   "all_correct" when every rollout is correct, else "all_wrong"; any other group is "mixed" (group_kind()).
-- metrics about correct answers (tool_err_pos: tool errors in correct trajectories) use `correct`.
+- metrics about correct answers (tool/err_pos: tool errors in correct trajectories) use `correct`.
 
 Advantage estimators (adv_scale), one function each in ADVANTAGES: "std" group-normalised (Eq. 7), "none"
 group mean only (Dr. GRPO), "batch" centred per group and scaled by the std over the whole batch (REINFORCE++'s

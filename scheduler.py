@@ -121,6 +121,29 @@ def summarize(t, grade):
                    grade["reward"], grade["correct"], grade["n_answers"], grade["pred"])
 
 
+def rollout_metrics(summaries, tool_names=()):
+    """What train_rl.py logs each step and eval.py reports of the rollouts, one name each: rollout/ (length, how
+    they ended, turns) and tool/ (calls per trajectory; the share that failed, in all and in correct trajectories;
+    the tool-format health: the share of calls that did not parse, named no tool of the table, or repeated the call
+    before; per tool in tool_names, its calls per trajectory and their failed share)."""
+    count = len(summaries)
+    calls = [status for traj in summaries for status in traj.calls]
+    faults = [fault for traj in summaries for fault in traj.call_faults]
+    error_share = lambda statuses: agent.n_failed(statuses) / max(1, len(statuses))  # noqa: E731
+    metrics = {
+        "rollout/response_len": sum(traj.n_response for traj in summaries) / count,
+        "rollout/truncated_frac": sum(traj.finish == "length" for traj in summaries) / count,
+        "rollout/turns": sum(traj.turns for traj in summaries) / count,
+        "tool/calls": len(calls) / count, "tool/err": error_share(calls),
+        "tool/err_pos": error_share([status for traj in summaries if traj.correct for status in traj.calls]),
+        **{f"tool/{fault}": faults.count(fault) / max(1, len(faults)) for fault in ("unparsed", "unknown_tool", "repeat")},
+    }
+    for name in tool_names:
+        statuses = [status for traj in summaries for status, tool in zip(traj.calls, traj.call_tools) if tool == name]
+        metrics[f"tool/calls/{name}"], metrics[f"tool/err/{name}"] = len(statuses) / count, error_share(statuses)
+    return metrics
+
+
 def gather(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank (one process: [obj])."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -11,7 +11,7 @@ ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> th
 groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages ->
 token-balanced micro-batches -> the "old" log-probs (with one optimizer step per RL step, the update's
 own forward, detached) -> clipped token-mean policy loss -> AdamW -> new weights to the engines. Every
-step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch_*); tis_cap
+step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch/*); tis_cap
 and mismatch_band correct for it (off: not in the paper).
 
 How this deviates from textbook GRPO (all from the paper, §2.2):
@@ -51,7 +51,7 @@ from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import dump_line, exchange, gather_summaries, generate, join_parts
+from scheduler import dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
@@ -238,10 +238,6 @@ def dump_step(step, mine, summaries):
         join_parts(path, world)
 
 
-def n_failed(statuses):
-    return sum(s in agent.TOOL_ERRORS for s in statuses)
-
-
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                     isolation=tool_isolation).start()
@@ -286,7 +282,7 @@ while step < steps:
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            penalties = [grpo_roc.penalty(len(traj.calls), n_failed(traj.calls), traj.n_answers, traj.turns)
+            penalties = [grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
                          for traj in groups[group]]
             chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
                                                   generator, mode=roc_mode).tolist()
@@ -383,45 +379,33 @@ while step < steps:
         sums = dict(zip(sums, summed))
         dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     n_loss = max(1.0, float(sums["n"]))
-    calls = [call for traj in trajs for call in traj.calls]
-    # the calls of correct trajectories
-    correct_calls = [call for traj in trajs if traj.correct for call in traj.calls]
-    # the share of tool calls whose status is an error
-    error_share = lambda statuses: n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
-        "reward": rewards.mean().item(),
-        "kept": len(kept), "reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
-        "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
-        "response_len": sum(traj.n_response for traj in trajs) / len(trajs),
-        "truncated_frac": sum(traj.finish == "length" for traj in trajs) / len(trajs),
-        "turns": sum(traj.turns for traj in trajs) / len(trajs),
-        "tool_calls": len(calls) / len(trajs),
-        "tool_err": error_share(calls), "tool_err_pos": error_share(correct_calls),
-        "entropy": float(sums["entropy"]), "clip_frac": float(sums["clip_frac"]),
-        "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
+        "rollout/reward": rewards.mean().item(),
+        # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
+        **rollout_metrics(trajs, task_module.TOOLS),
+        "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "rollout/generated_here": len(mine),
+        # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
+        "rollout/preemptions": engine.stats["preemptions"], "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],
+        "roc/kept": len(kept), "roc/reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
+        "roc/groups_all_right": n_all_right / prompts_per_step, "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
+        "loss/entropy": float(sums["entropy"]), "loss/clip_frac": float(sums["clip_frac"]),
+        "loss/grad_norm": grad_norm, "loss/lr": optimizer.param_groups[0]["lr"],
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
-        "mismatch_abs_mean": float(sums["abs"]) / n_loss, "mismatch_abs_max": float(mismatch_max),
-        "mismatch_kl_k3": float(sums["k3"]) / n_loss, "mismatch_ratio_out": float(sums["out"]) / n_loss,
+        "mismatch/abs_mean": float(sums["abs"]) / n_loss, "mismatch/abs_max": float(mismatch_max),
+        "mismatch/kl_k3": float(sums["k3"]) / n_loss, "mismatch/ratio_out": float(sums["out"]) / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
-        "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
-        "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        "time/rollout": t_rollout, "time/grade_wait": t_grade, "time/gather": t_gather, "time/exchange": t_exchange,
+        "time/tools_wait": engine.stats["tool_wait_s"], "time/train": t_train,
         # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
         # answers too long or nested too deep to parse, no helper to be had, the task's grade raised (grading.Grader.results)
-        "grade_timed_out": grader.stats["timed_out"], "grade_refused": grader.stats["refused"],
-        "grade_failed": grader.stats["failed"],
-        # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
-        "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
-        "tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "generated_here": len(mine),
+        "grade/timed_out": grader.stats["timed_out"], "grade/refused": grader.stats["refused"],
+        "grade/failed": grader.stats["failed"],
     }
-    # each tool the task offers: its calls per trajectory and the share of them that failed
-    for name in task_module.TOOLS:
-        statuses = [call for traj in trajs for call, tool in zip(traj.calls, traj.call_tools) if tool == name]
-        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), error_share(statuses)
     logger.log(step, metrics)
-    print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
-           f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "
-           f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
-           f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
+    print0(f"step {step:04d}/{steps} | reward {metrics['rollout/reward']:.3f} | kept {len(kept):3d} | "
+           f"len {metrics['rollout/response_len']:.0f} | trunc {metrics['rollout/truncated_frac']:.2f} | "
+           f"calls {metrics['tool/calls']:.2f} | tool_err {metrics['tool/err']:.3f} (pos {metrics['tool/err_pos']:.3f}) | "
+           f"ent {metrics['loss/entropy']:.3f} | gnorm {metrics['loss/grad_norm']:.2f} | "
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):

@@ -101,7 +101,7 @@ def page_data(records):
 def step_series(records, metrics):
     """(step, reward, tool error ratio, mean length) per step: metrics.jsonl's rows, else the dumps'."""
     if metrics:
-        return [(m["step"], m["reward"], m["tool_err"], m["response_len"]) for m in metrics]
+        return [(m["step"], m["rollout/reward"], m["tool/err"], m["rollout/response_len"]) for m in metrics]
     rows = []
     for step, rs in itertools.groupby(sorted((r for r in records if r.get("step") is not None),
                                              key=lambda r: r["step"]), key=lambda r: r["step"]):

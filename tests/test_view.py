@@ -153,8 +153,8 @@ def test_dump_is_the_record_of_the_step(tiny_run):
         order = [(r["step"], r["group"], r["sample"]) for r in recs]
         assert order == [(m["step"], g, s) for g in range(4) for s in range(8)]
         # the dump agrees with what train_rl.py logged for the step
-        assert sum(r["reward"] for r in recs) / len(recs) == pytest.approx(m["reward"])
-        assert sum(len(r["response_ids"]) for r in recs) / len(recs) == pytest.approx(m["response_len"])
+        assert sum(r["reward"] for r in recs) / len(recs) == pytest.approx(m["rollout/reward"])
+        assert sum(len(r["response_ids"]) for r in recs) / len(recs) == pytest.approx(m["rollout/response_len"])
         for g in range(4):
             grp = recs[g * 8:(g + 1) * 8]
             right = sum(r["correct"] for r in grp)
