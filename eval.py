@@ -124,8 +124,6 @@ def metrics(groups):
             "truncated": sum(t.finish == "length" for t in g),
         })
     accs = [p["accuracy"] for p in per_problem]
-    lengths = [t.n_response for t in trajs]
-    model_tokens = [t.n_sampled for t in trajs]
     summary = {
         "problems": len(groups), "samples": k,
         "avg@k": statistics.fmean(accs),
@@ -136,8 +134,9 @@ def metrics(groups):
         "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
         # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
         **rollout_metrics(trajs),
-        "rollout/response_len_median": statistics.median(lengths),
-        "rollout/sampled_len": statistics.fmean(model_tokens), "rollout/sampled_len_median": statistics.median(model_tokens),
+        "rollout/response_len_median": statistics.median(t.n_response for t in trajs),
+        "rollout/sampled_len": statistics.fmean(t.n_sampled for t in trajs),
+        "rollout/sampled_len_median": statistics.median(t.n_sampled for t in trajs),
         "rollout/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
         "rollout/no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
     }
@@ -210,7 +209,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import latest_checkpoint
-    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model
+    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model, write_jsonl
     from configurator import configure
     from model import load_model
     from rollout import Engine, kv_rows
@@ -220,15 +219,15 @@ if __name__ == "__main__":
     model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
     data_path = ""  # JSONL with the task's columns (the math task: "question" and "answer")
     task = "tasks/math.py"  # the task file: prompt, tools, grade (tasks/math_no_tool.py: the same without the tool)
-    out_dir = "out/eval"
+    out_dir = "out/eval"  # summary.json, summary.md, per_problem.jsonl, trajectories.jsonl go here
     samples = 16  # k samples per problem
-    temperature = 0.6
-    top_p = 1.0
+    temperature = 0.6  # the paper's evaluation temperature
+    top_p = 1.0  # nucleus sampling; 1.0 = off (the paper does not state it)
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
     max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently); with
     #                           keep_unsolved it is skipped, as train_rl.py skips it
-    max_turns = 30
-    max_calls_per_turn = 1
+    max_turns = 30  # assistant turns per answer (the paper: 30)
+    max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
     tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
@@ -237,18 +236,16 @@ if __name__ == "__main__":
     tool_timeout = 4.0  # seconds per tool call
     tool_memory = 256 << 20  # bytes of address space per tool call (code-judge's MAX_MEMORY default)
     tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
-    seed = 0
+    seed = 0  # every trajectory's generator derives from (seed, problem, sample)
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
     keep_solved = ""  # write the problems >= keep_min_correct of whose samples are right (label check, §4.2)
-    keep_min_correct = 2
+    keep_min_correct = 2  # with keep_solved: the fewest right samples a kept problem has (paper: 2)
     save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
     score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
     dtype = "bfloat16"  # "float32" on CPU
     dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     cfg = configure(globals())
-    if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
-        rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
@@ -345,8 +342,7 @@ if __name__ == "__main__":
             f.write("\n".join(table + per) + "\n")
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
-            f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
+        write_jsonl(os.path.join(out_dir, "per_problem.jsonl"), per_problem)
         if save_trajectories:  # the ranks' parts, one after the other: sort by (group, sample) to read in order
             join_parts(os.path.join(out_dir, "trajectories.jsonl"), world)
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
@@ -355,8 +351,6 @@ if __name__ == "__main__":
                                          (keep_solved, keep_min_correct, k, f">= {keep_min_correct} of {k} right")]:
             if path:
                 kept = keep_by_correct(problems, per_problem, fewest, most)
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                with open(path, "w") as f:
-                    f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in kept)
+                write_jsonl(path, kept)
                 print(f"kept {len(kept)} of {len(problems)} problems ({rule}) in {path}")
     compute_cleanup()

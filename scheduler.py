@@ -82,8 +82,10 @@ class Lazy:
 
 def generate(engine, requests, budget, mode="dynamic", on_finish=None, *, counter, keep=True):
     """Generate every request exactly once across all ranks; returns the trajectories this rank generated,
-    ordered by request key (keep=False: none, on_finish has seen them). counter: see make_claim."""
-    return sorted(engine.run(make_claim(requests, mode, counter), budget, on_finish, keep=keep), key=lambda t: t.key)
+    ordered by request key (keep=False: none, on_finish has seen them). counter: see make_claim. A deterministic
+    engine always splits statically: which rank generates a request must not depend on timing."""
+    claim = make_claim(requests, "static" if engine.deterministic else mode, counter)
+    return sorted(engine.run(claim, budget, on_finish, keep=keep), key=lambda t: t.key)
 
 
 @dataclass

@@ -58,11 +58,11 @@ from scheduler import dump_line, exchange, gather_summaries, generate, join_part
 model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
 data_path = "out/data/train.jsonl"  # JSONL with the task's columns (the math task: "question" and "answer")
 task = "tasks/math.py"  # the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
-run_dir = "out/tiny-rl"
+run_dir = "out/tiny-rl"  # checkpoints (step_*/), metrics.jsonl and rollouts/ go here
 resume = False  # continue from the latest checkpoint in run_dir
 data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
 optimizer_from = ""  # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
-steps = 60
+steps = 60  # RL steps (paper: 300 in stage 1)
 prompts_per_step = 8  # B (paper: 512)
 samples_per_prompt = 16  # 2G rollouts per prompt (paper: 32)
 keep_per_prompt = 8  # G kept by Resample-on-Correct (paper: 16)
@@ -71,10 +71,10 @@ roc_mode = "sample"  # "sample" (paper: p ∝ 1/penalty) or "deterministic" (rel
 score_truncated = False  # True: grade rollouts cut by the budget like finished ones (released code); paper: 0
 # rollout
 max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
-max_prompt_tokens = 128
+max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
-temperature = 1.0
-top_p = 1.0
+temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
+top_p = 1.0  # nucleus sampling; 1.0 = off
 kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
@@ -85,14 +85,14 @@ tool_timeout = 4.0  # seconds per call (rStar's README runs code-judge with MAX_
 tool_memory = 256 << 20  # bytes of address space per call (code-judge's MAX_MEMORY default)
 tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
 tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
-max_calls_per_turn = 1
+max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
 # optimisation
-lr = 1e-6
+lr = 1e-6  # AdamW learning rate (paper: 1e-6)
 warmup_steps = 20  # linear warm-up, then constant
-weight_decay = 0.01
-grad_clip = 1.0
-eps_low = 0.2
-eps_high = 0.28
+weight_decay = 0.01  # AdamW weight decay
+grad_clip = 1.0  # the gradients' global norm is clipped to this
+eps_low = 0.2  # the ratio's lower clip: 1 - eps_low
+eps_high = 0.28  # the ratio's upper clip: 1 + eps_high (clip-higher)
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
@@ -100,24 +100,21 @@ adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7
 loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
 max_tokens_per_micro = 4096  # tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
-activation_checkpointing = False
+activation_checkpointing = False  # recompute each layer's activations in the backward: less memory, more compute
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
 rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
 tis_cap = 0.0  # > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
 mismatch_band = 0.0  # > 0 (e.g. 0.5): drop a trajectory whose mean trainer - engine log-ratio leaves ±band
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
-save_every = 20
+save_every = 20  # a checkpoint every N steps, and at the last
 save_hf_every = 0  # HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
 keep_checkpoints = 3  # the newest N checkpoints stay (0: all); those with HF weights are never deleted
 dump_every = 10  # every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
 dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
-seed = 0
-wandb_project = ""
+seed = 0  # data order, RoC's sampling and every rollout's generator derive from it
+wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
-if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
-    rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
-    print0("deterministic=true on several ranks: rollout_split = 'static'")
 # -----------------------------------------------------------------------------
 
 try:
