@@ -161,6 +161,11 @@ TOOL_STATUSES = {
 TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
 
 
+def n_failed(statuses):
+    """How many of these call statuses are failures (TOOL_ERRORS)."""
+    return sum(status in TOOL_ERRORS for status in statuses)
+
+
 @dataclass
 class Tool:
     """One tool: `schema`, the OpenAI-format function schema the prompt lists (its function.name is the name
@@ -281,6 +286,21 @@ def start_call(call, tools, sandbox):
     except Exception as e:  # bad arguments: the release answers what the tool raised
         rec.update(status="invalid", output=EXEC_ERROR + str(e), duration=0.0)
         return rec, None
+
+
+def call_faults(records):
+    """The tool-format health of a trajectory's calls (their records, in order), one label a call: "unparsed"
+    (no JSON object with a string name), "unknown_tool" (a name the table lacks), "repeat" (the same tool and
+    arguments as the call before it), else "". The first two are start_call's records without a tool."""
+    faults, previous = [], None
+    for rec in records:
+        call = (rec.get("tool"), rec.get("arguments"))
+        if not call[0] and rec.get("status") == "invalid":
+            faults.append("unknown_tool" if rec.get("output", "").startswith(EXEC_ERROR) else "unparsed")
+        else:
+            faults.append("repeat" if call == previous else "")
+        previous = call if call[0] else None
+    return faults
 
 
 def truncate(text, max_chars):
@@ -433,9 +453,6 @@ def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
 
 # -----------------------------------------------------------------------------
 # reading the answer (grading.py scores it)
-
-_ZERO = {"reward": 0.0, "answers": 0, "pred": None}  # a grade that could not be made
-
 
 def mask_runs(tokenizer, ids, mask):
     """[[text, m], ...]: the response decoded in runs of equal loss-mask value (1: sampled by the policy,

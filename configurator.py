@@ -8,12 +8,15 @@ An entry script declares its defaults as plain module globals, then calls
 which reads sys.argv: every argument without `--` is a python config file of plain assignments
 (applied in order), every `--key=value` overrides one key. Values are type-checked against the
 defaults, an unknown key is an error naming the closest valid key, every override is echoed, and
-`--help` lists keys, defaults and types. Any mistake exits with one line that names it.
+`--help` lists keys, defaults, types and the comment beside each default. Any mistake exits with one line that names it.
 """
 import ast
 import difflib
+import io
 import os
+import re
 import sys
+import tokenize
 
 SIMPLE = (bool, int, float, str, tuple, list, type(None))
 
@@ -53,6 +56,26 @@ def parse_value(text):
         return text
 
 
+def key_comments(path):
+    """{key: the comment beside its default} in a script's `key = value  # comment` lines (the first assignment
+    of each key), each with the comment-only lines right below it that continue it, indented after their #
+    (`#      more`), for --help."""
+    source = open(path, encoding="utf-8").read()
+    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT}
+    lines, out = source.splitlines(), {}
+    for lineno, line in enumerate(lines, 1):
+        assigned = re.match(r"\s*([A-Za-z_]\w*)\s*=[^=]", line)
+        if not assigned or assigned[1] in out or lineno not in comments:
+            continue
+        text = comments[lineno][1:].strip()
+        while lines[lineno].lstrip().startswith("#  ") and comments.get(lineno + 1, "").startswith("#  "):
+            lineno += 1
+            text += " " + comments[lineno][1:].strip()
+        out[assigned[1]] = text
+    return out
+
+
 def configure(g, argv=None):
     """Apply config files and --key=value overrides from argv to the dict g (a module's globals)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -61,8 +84,9 @@ def configure(g, argv=None):
     verbose = int(os.environ.get("RANK", "0")) == 0
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
+        comments = key_comments(g["__file__"]) if g.get("__file__") else {}
         for k, v in defaults.items():
-            print(f"  --{k}={v!r}  ({type(v).__name__})")
+            print(f"  --{k}={v!r}  ({type(v).__name__})" + (f"  {comments[k]}" if k in comments else ""))
         sys.exit(0)
     for arg in argv:
         if arg.startswith("--"):

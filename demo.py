@@ -141,9 +141,9 @@ def seed_study(n):
             m = read_metrics(d)
             ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-            rows[arm].append({"seed": s, "first": mean(m[:20], "tool_err_pos"), "last": mean(m[-20:], "tool_err_pos"),
-                              "acc": ev["avg@k"], "len": ev["mean_length"], "calls": ev["tool_calls"],
-                              "curve": [r["tool_err_pos"] for r in m]})
+            rows[arm].append({"seed": s, "first": mean(m[:20], "tool/err_pos"), "last": mean(m[-20:], "tool/err_pos"),
+                              "acc": ev["avg@k"], "len": ev["rollout/response_len"], "calls": ev["tool/calls"],
+                              "curve": [r["tool/err_pos"] for r in m]})
 
     def ci(xs):  # mean and the half-width of its 95% interval (Student's t over the seeds); one seed: no interval
         if len(xs) < 2:
@@ -209,7 +209,7 @@ fig, axes = plt.subplots(1, 5, figsize=(22, 4))
 for name, d in runs.items():
     m = read_metrics(d)
     s = [r["step"] for r in m]
-    for ax, key in zip(axes[:4], ("reward", "tool_err_pos", "response_len", "mismatch_abs_mean")):
+    for ax, key in zip(axes[:4], ("rollout/reward", "tool/err_pos", "rollout/response_len", "mismatch/abs_mean")):
         w = 5  # a short moving average: single RL steps on 8 prompts are noisy
         y = [sum(r[key] for r in m[max(0, i - w + 1):i + 1]) / len(m[max(0, i - w + 1):i + 1]) for i in range(len(m))]
         ax.plot(s, y, label=name)
@@ -239,12 +239,12 @@ table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | to
          "|---|---|---|---|---|---|---|"]
 for name, s in rows:
     table.append(f"| {name} | {100 * s['avg@k']:.1f}% | {100 * s['avg@k_se']:.1f} | {100 * s['pass@k']:.1f}% | "
-                 f"{s['tool_calls']:.2f} | {s['tool_error_ratio']:.3f} | {s['mean_length']:.0f} |")
+                 f"{s['tool/calls']:.2f} | {s['tool/err']:.3f} | {s['rollout/response_len']:.0f} |")
 last = {n: read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
 summary = "\n".join(table) + "\n\n" + "\n".join(
     f"- {n}: tool error ratio among positive trajectories, mean of the last {len(m)} RL steps: "
-    f"{sum(r['tool_err_pos'] for r in m) / len(m):.4f}; engine-vs-trainer mean |Δ log p| "
-    f"{sum(r.get('mismatch_abs_mean', 0.0) for r in m) / len(m):.2e}" for n, m in last.items())
+    f"{sum(r['tool/err_pos'] for r in m) / len(m):.4f}; engine-vs-trainer mean |Δ log p| "
+    f"{sum(r.get('mismatch/abs_mean', 0.0) for r in m) / len(m):.2e}" for n, m in last.items())
 summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before['samples']} samples; " \
            f"wall time {(time.time() - t_start) / 60:.1f} min\n"
 open(f"{out}/summary.md", "w").write(summary)

@@ -33,11 +33,12 @@ Metrics (summary.json, summary.md, printed):
                  winning answer is correct. The answers are the task's predictions (task.answer). It is
                  a plain string vote: answers that math-verify finds equal but that are written
                  differently ("1/2", "0.5") are counted apart.
-  lengths        mean / median response tokens (everything after the prompt, tool responses included)
-                 and model tokens (the sampled ones, mask 1)
-  behaviour      turns and tool calls per answer, tool error ratio (calls with status invalid / error /
-                 timeout / memory / crash over all calls), truncation ratio (finish == "length"),
-                 max-turns ratio, no-answer ratio
+  rollout/       mean / median response tokens (response_len: everything after the prompt, tool responses
+                 included) and sampled ones (sampled_len, mask 1); turns per answer; the shares of answers cut by
+                 the budget (truncated_frac), by the turn limit (max_turns_frac) and without an answer
+  tool/          calls per answer, the share that failed (err: status invalid / error / timeout / memory / crash;
+                 err_pos: in correct answers), did not parse (unparsed), named no tool (unknown_tool), or repeated
+                 the call before (repeat). rollout/ and tool/ keys are those train_rl.py logs each step
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
 trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
 order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
@@ -57,7 +58,6 @@ as the released code does).
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -69,7 +69,7 @@ from tqdm import tqdm
 import agent
 import grading
 from rollout import Request
-from scheduler import Lazy, gather, generate, summarize
+from scheduler import Lazy, dump_line, gather, generate, join_parts, rollout_metrics, summarize
 
 
 # -----------------------------------------------------------------------------
@@ -111,22 +111,19 @@ def metrics(groups):
     trajs = [t for g in groups for t in g]
     per_problem = []
     for i, g in enumerate(groups):
-        c = sum(bool(t.meta["correct"]) for t in g)
-        win = majority_vote([t.meta["pred"] for t in g])
+        c = sum(bool(t.correct) for t in g)
+        win = majority_vote([t.pred for t in g])
         calls = [s for t in g for s in t.calls]
         per_problem.append({
-            "index": i, "gold": g[0].meta.get("answer"), "samples": k, "correct": c, "accuracy": c / k,
-            "maj_answer": None if win is None else g[win].meta["pred"],
-            "maj_correct": 0.0 if win is None else float(g[win].meta["correct"]),
-            "answers": [t.meta["pred"] for t in g],
-            "mean_length": statistics.fmean(t.n_response for t in g),
-            "tool_calls": len(calls), "tool_errors": sum(s in agent.TOOL_ERRORS for s in calls),
+            "index": i, "gold": g[0].answer, "samples": k, "correct": c, "accuracy": c / k,
+            "maj_answer": None if win is None else g[win].pred,
+            "maj_correct": 0.0 if win is None else float(g[win].correct),
+            "preds": [t.pred for t in g],
+            "response_len": statistics.fmean(t.n_response for t in g),
+            "tool_calls": len(calls), "tool_errors": agent.n_failed(calls),
             "truncated": sum(t.finish == "length" for t in g),
         })
     accs = [p["accuracy"] for p in per_problem]
-    lengths = [t.n_response for t in trajs]
-    model_tokens = [t.n_sampled for t in trajs]
-    statuses = [s for t in trajs for s in t.calls]
     summary = {
         "problems": len(groups), "samples": k,
         "avg@k": statistics.fmean(accs),
@@ -135,14 +132,13 @@ def metrics(groups):
            for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
         "pass@k": statistics.fmean(pass_at_k(k, p["correct"], k) for p in per_problem),
         "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
-        "mean_length": statistics.fmean(lengths), "median_length": statistics.median(lengths),
-        "mean_model_tokens": statistics.fmean(model_tokens), "median_model_tokens": statistics.median(model_tokens),
-        "turns": statistics.fmean(t.turns for t in trajs),
-        "tool_calls": len(statuses) / len(trajs),
-        "tool_error_ratio": sum(s in agent.TOOL_ERRORS for s in statuses) / max(1, len(statuses)),
-        "truncation_ratio": sum(t.finish == "length" for t in trajs) / len(trajs),
-        "max_turns_ratio": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
-        "no_answer_ratio": sum(not t.meta["pred"] for t in trajs) / len(trajs),
+        # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
+        **rollout_metrics(trajs),
+        "rollout/response_len_median": statistics.median(t.n_response for t in trajs),
+        "rollout/sampled_len": statistics.fmean(t.n_sampled for t in trajs),
+        "rollout/sampled_len_median": statistics.median(t.n_sampled for t in trajs),
+        "rollout/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
+        "rollout/no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
     }
     return summary, per_problem
 
@@ -153,8 +149,8 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     Sample `samples` trajectories for every problem (the task's rows, by default tasks/math.py's {"question",
     "answer"}; prompt_ids: their rendered prompts, if already tokenized) with the engine's own sampling settings
     and tools, `budget` response tokens each, graded by the task's grade(); under torchrun the work is shared
-    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory)
-    sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
+    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory,
+    summary) sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """
     if samples < 1:
@@ -177,10 +173,9 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
         for t, fut in list(waiting):
             if final is not None or fut.done():
-                t.meta.update(fut.result() if fut.done() else final[t.key])
-                summaries.append(summarize(t))
+                summaries.append(summarize(t, fut.result() if fut.done() else final[t.key]))
                 if on_graded is not None:
-                    on_graded(t)
+                    on_graded(t, summaries[-1])
                 waiting.remove((t, fut))
 
     def on_finish(traj):
@@ -214,7 +209,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import latest_checkpoint
-    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model
+    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model, write_jsonl
     from configurator import configure
     from model import load_model
     from rollout import Engine, kv_rows
@@ -224,15 +219,15 @@ if __name__ == "__main__":
     model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
     data_path = ""  # JSONL with the task's columns (the math task: "question" and "answer")
     task = "tasks/math.py"  # the task file: prompt, tools, grade (tasks/math_no_tool.py: the same without the tool)
-    out_dir = "out/eval"
+    out_dir = "out/eval"  # summary.json, summary.md, per_problem.jsonl, trajectories.jsonl go here
     samples = 16  # k samples per problem
-    temperature = 0.6
-    top_p = 1.0
+    temperature = 0.6  # the paper's evaluation temperature
+    top_p = 1.0  # nucleus sampling; 1.0 = off (the paper does not state it)
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
     max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently); with
     #                           keep_unsolved it is skipped, as train_rl.py skips it
-    max_turns = 30
-    max_calls_per_turn = 1
+    max_turns = 30  # assistant turns per answer (the paper: 30)
+    max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
     tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
@@ -241,18 +236,16 @@ if __name__ == "__main__":
     tool_timeout = 4.0  # seconds per tool call
     tool_memory = 256 << 20  # bytes of address space per tool call (code-judge's MAX_MEMORY default)
     tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
-    seed = 0
+    seed = 0  # every trajectory's generator derives from (seed, problem, sample)
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
     keep_solved = ""  # write the problems >= keep_min_correct of whose samples are right (label check, §4.2)
-    keep_min_correct = 2
+    keep_min_correct = 2  # with keep_solved: the fewest right samples a kept problem has (paper: 2)
     save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
     score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
     dtype = "bfloat16"  # "float32" on CPU
     dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     cfg = configure(globals())
-    if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
-        rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
@@ -299,14 +292,9 @@ if __name__ == "__main__":
     part = os.path.join(out_dir, f"trajectories.jsonl.{rank}")
     dump = open(part, "w") if save_trajectories else None
 
-    def write(t):  # train_rl.py's dump record (view.py reads both), + "pred"; written by the rank that made it
-        dump.write(json.dumps({
-            "group": t.key[1], "sample": t.key[2], "question": problems[t.key[1]].get("question"),
-            "answer": t.meta["answer"], "correct": t.meta["correct"], "prompt": tokenizer.decode(t.prompt_ids),
-            "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
-            "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"],
-            "finish": t.finish, "turns": t.turns, "tool_calls": t.tool_calls, "pred": t.meta["pred"]},
-            ensure_ascii=False) + "\n")
+    def write(traj, summary):  # train_rl.py's dump record, written by the rank that made the trajectory
+        dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
+                             tokenizer.decode(traj.prompt_ids)))
 
     t0 = time.time()
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
@@ -334,42 +322,35 @@ if __name__ == "__main__":
         table += [f"| {key} | {100 * summary[key]:.2f}% |" for key in summary
                   if key.startswith("pass@") and key != "pass@k"]
         table += [f"| maj@{k} | {100 * summary['maj@k']:.2f}% |",
-                  f"| mean / median length (tokens, all) | {summary['mean_length']:.1f} / {summary['median_length']:.1f} |",
-                  f"| mean / median length (model tokens) | {summary['mean_model_tokens']:.1f} / {summary['median_model_tokens']:.1f} |",
-                  f"| turns per answer | {summary['turns']:.2f} |",
-                  f"| tool calls per answer | {summary['tool_calls']:.2f} |",
-                  f"| tool error ratio | {summary['tool_error_ratio']:.3f} |",
-                  f"| truncation ratio (length) | {summary['truncation_ratio']:.3f} |",
-                  f"| max-turns ratio | {summary['max_turns_ratio']:.3f} |",
-                  f"| no-answer ratio | {summary['no_answer_ratio']:.3f} |",
+                  f"| mean / median length (tokens, all) | {summary['rollout/response_len']:.1f} / {summary['rollout/response_len_median']:.1f} |",
+                  f"| mean / median length (model tokens) | {summary['rollout/sampled_len']:.1f} / {summary['rollout/sampled_len_median']:.1f} |",
+                  f"| turns per answer | {summary['rollout/turns']:.2f} |",
+                  f"| tool calls per answer | {summary['tool/calls']:.2f} |",
+                  f"| tool error ratio | {summary['tool/err']:.3f} |",
+                  f"| truncation ratio (length) | {summary['rollout/truncated_frac']:.3f} |",
+                  f"| max-turns ratio | {summary['rollout/max_turns_frac']:.3f} |",
+                  f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
                   f"| wall time | {wall:.1f} s |"]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]
         per += [f"| {p['index']} | {cell(p.get('id', ''))} | {cell(p['gold'])} | {p['correct']}/{k} | "
-                f"{cell(p['maj_answer'])} | {p['mean_length']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
+                f"{cell(p['maj_answer'])} | {p['response_len']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
                 f"{p['truncated']} |" for p in per_problem]
         print("\n".join(table[4:]))
         with open(os.path.join(out_dir, "summary.md"), "w") as f:
             f.write("\n".join(table + per) + "\n")
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
-        with open(os.path.join(out_dir, "per_problem.jsonl"), "w") as f:
-            f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in per_problem)
+        write_jsonl(os.path.join(out_dir, "per_problem.jsonl"), per_problem)
         if save_trajectories:  # the ranks' parts, one after the other: sort by (group, sample) to read in order
-            with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
-                for r in range(world):
-                    with open(os.path.join(out_dir, f"trajectories.jsonl.{r}")) as p:
-                        shutil.copyfileobj(p, f)
-                    os.remove(os.path.join(out_dir, f"trajectories.jsonl.{r}"))
+            join_parts(os.path.join(out_dir, "trajectories.jsonl"), world)
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         for path, fewest, most, rule in [(keep_unsolved, 0, k - 1, "pass rate < 1"),
                                          (keep_solved, keep_min_correct, k, f">= {keep_min_correct} of {k} right")]:
             if path:
                 kept = keep_by_correct(problems, per_problem, fewest, most)
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                with open(path, "w") as f:
-                    f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in kept)
+                write_jsonl(path, kept)
                 print(f"kept {len(kept)} of {len(problems)} problems ({rule}) in {path}")
     compute_cleanup()

@@ -42,7 +42,7 @@ _ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))
 _SEPARATOR_RE = re.compile(r"(?<=\d)(?:\s|\\[,;: ]|~|\{,\})(?=\d{3}(?!\d))")
 # the relations that say "equals": an answer whose sides hold two different values is a hedge
 _RELATION_RE = re.compile(r":=|\\coloneqq|=|\\(?:approxeq|approx|equiv|simeq|sim|cong|doteq)(?![A-Za-z])|[≈≡≃≅]")
-_ZERO = {"reward": 0.0, "correct": False, "answers": 0, "pred": None}  # a grade that could not be made
+_ZERO = {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None}  # a grade that could not be made
 
 
 def _normalise(s):
@@ -234,7 +234,7 @@ class Grader:
             self.counts[key] += 1
 
     def grade(self, ids, mask, finish, row):
-        """One trajectory's grade, in the calling thread: {reward, correct, answers, pred}. Read from the
+        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}. Read from the
         sampled turns only; a trajectory cut by the budget gets reward 0, not correct, without grade()."""
         turns = sampled_turns(self.tok, ids, mask)
         pred = self.task.answer(turns)
@@ -243,7 +243,7 @@ class Grader:
             reward, correct = self.task.grade(row, pred, turns, self)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
-        return {"reward": float(reward), "correct": bool(correct), "answers": count_answers(turns), "pred": pred}
+        return {"reward": float(reward), "correct": bool(correct), "n_answers": count_answers(turns), "pred": pred}
 
     def reward(self, response_text, gold):
         """reward()'s rule, in the calling thread, with that thread's helper; stats count what it met."""
@@ -305,7 +305,7 @@ class Grader:
     def results(self):
         """
         Waits for the grades of the trajectories handed over since the last call, each within its bound
-        (the class docstring): {key: {"reward", "answers", "pred"}}. Then self.stats holds what happened
+        (the class docstring): {key: {"reward", "correct", "n_answers", "pred"}}. Then self.stats holds what happened
         since the last call:
             wait_s                 seconds this call waited (grading that the rollout did not hide)
             timed_out              grades scored 0 because verification passed timeout (the helper was

@@ -54,7 +54,7 @@ rewards that are not 0/1, one for RoC, the advantages and the labels:
   mean, a kept 0 never above it). Without RoC (plain GRPO) there are no sides and no such bound.
 - a group whose 2G rewards are all equal is dropped (no signal, whatever the value); the dump labels it
   "all_correct" when every rollout is correct, else "all_wrong"; any other group is "mixed" (group_kind()).
-- metrics about correct answers (tool_err_pos: tool errors in correct trajectories) use `correct`.
+- metrics about correct answers (tool/err_pos: tool errors in correct trajectories) use `correct`.
 
 Advantage estimators (adv_scale), one function each in ADVANTAGES: "std" group-normalised (Eq. 7), "none"
 group mean only (Dr. GRPO), "batch" centred per group and scaled by the std over the whole batch (REINFORCE++'s
@@ -196,12 +196,12 @@ def positives(rewards):
     return (rewards > rewards.mean(dim=-1, keepdim=True)) | (rewards == 1)
 
 
-def group_kind(grades):
-    """The label of one group's 2G grades (dicts with reward and correct): "mixed" when the rewards differ
-    (the group trains), else "all_correct" when every one is correct, else "all_wrong"."""
-    if len({g["reward"] for g in grades}) > 1:
+def group_kind(group):
+    """The label of one group's 2G trajectories (anything with .reward and .correct: scheduler.Summary): "mixed"
+    when the rewards differ (the group trains), else "all_correct" when every one is correct, else "all_wrong"."""
+    if len({traj.reward for traj in group}) > 1:
         return "mixed"
-    return "all_correct" if all(g["correct"] for g in grades) else "all_wrong"
+    return "all_correct" if all(traj.correct for traj in group) else "all_wrong"
 
 
 def adv_group_std(rewards, eps=1e-6):

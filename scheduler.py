@@ -22,13 +22,18 @@ both). Both travel over a gloo group (common.cpu_group), through host memory.
 
 How these policies behave at 64-GPU scale: `python simulate.py`.
 """
+import json
+import os
 import pickle
-from dataclasses import dataclass, field
+import shutil
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+import agent
 from common import cpu_group
 from rollout import iter_claim
 
@@ -77,28 +82,68 @@ class Lazy:
 
 def generate(engine, requests, budget, mode="dynamic", on_finish=None, *, counter, keep=True):
     """Generate every request exactly once across all ranks; returns the trajectories this rank generated,
-    ordered by request key (keep=False: none, on_finish has seen them). counter: see make_claim."""
-    return sorted(engine.run(make_claim(requests, mode, counter), budget, on_finish, keep=keep), key=lambda t: t.key)
+    ordered by request key (keep=False: none, on_finish has seen them). counter: see make_claim. A deterministic
+    engine always splits statically: which rank generates a request must not depend on timing."""
+    claim = make_claim(requests, "static" if engine.deterministic else mode, counter)
+    return sorted(engine.run(claim, budget, on_finish, keep=keep), key=lambda t: t.key)
 
 
 @dataclass
 class Summary:
-    """What every rank needs to know of a trajectory, without its tokens."""
-    key: tuple
-    meta: dict  # the request's meta and the grade (reward, answers, pred)
+    """One trajectory as every rank knows it, without its tokens (~100 bytes): the request, how it ended, its
+    tool calls, its grade and, in training, what GRPO-RoC decided about it. The one record of a trajectory that
+    the metrics, RoC and the dumps read."""
+    key: tuple  # (step, group, sample)
+    problem: int  # the data row it answers
+    answer: object  # the row's gold answer (None when the task's rows have none)
     turns: int
     finish: str
     calls: list  # one status per tool call (agent.TOOL_ERRORS are the failures)
+    call_tools: list  # the tool each call named ("" when it did not parse or named no known tool)
+    call_faults: list  # per call: "unparsed", "unknown_tool", "repeat" (the previous call again), or ""
     n_prompt: int
     n_response: int  # tokens after the prompt, tool responses included
     n_sampled: int  # tokens the policy sampled (mask 1)
-    call_tools: list = field(default_factory=list)  # the tool each call named ("" when it did not parse)
-    rl: dict = field(default_factory=dict)  # what GRPO-RoC decided: penalty, advantage (kept)
+    # the grade (grading.Grader.grade)
+    reward: float
+    correct: bool  # the task's verdict, what avg@k and the metrics count
+    n_answers: int  # <answer> blocks in what the policy sampled (RoC's p_format)
+    pred: object  # the task's prediction (maj@k votes on it); None: no answer
+    # what GRPO-RoC decided (train_rl.py): the penalty of every sample of a group it saw; the advantage of the kept
+    penalty: float = None
+    advantage: float = None
+    kept: bool = False
 
 
-def summarize(t):
-    return Summary(t.key, t.meta, t.turns, t.finish, [c["status"] for c in t.tool_calls], len(t.prompt_ids),
-                   len(t.response_ids), sum(t.mask), call_tools=[c.get("tool", "") for c in t.tool_calls])
+def summarize(t, grade):
+    """The Summary of trajectory t, graded `grade` (a dict from grading.Grader.grade)."""
+    return Summary(t.key, t.meta["problem"], t.meta.get("answer"), t.turns, t.finish,
+                   [c["status"] for c in t.tool_calls], [c.get("tool", "") for c in t.tool_calls],
+                   agent.call_faults(t.tool_calls), len(t.prompt_ids), len(t.response_ids), sum(t.mask),
+                   grade["reward"], grade["correct"], grade["n_answers"], grade["pred"])
+
+
+def rollout_metrics(summaries, tool_names=()):
+    """What train_rl.py logs each step and eval.py reports of the rollouts, one name each: rollout/ (length, how
+    they ended, turns) and tool/ (calls per trajectory; the share that failed, in all and in correct trajectories;
+    the tool-format health: the share of calls that did not parse, named no tool of the table, or repeated the call
+    before; per tool in tool_names, its calls per trajectory and their failed share)."""
+    count = len(summaries)
+    calls = [status for traj in summaries for status in traj.calls]
+    faults = [fault for traj in summaries for fault in traj.call_faults]
+    error_share = lambda statuses: agent.n_failed(statuses) / max(1, len(statuses))  # noqa: E731
+    metrics = {
+        "rollout/response_len": sum(traj.n_response for traj in summaries) / count,
+        "rollout/truncated_frac": sum(traj.finish == "length" for traj in summaries) / count,
+        "rollout/turns": sum(traj.turns for traj in summaries) / count,
+        "tool/calls": len(calls) / count, "tool/err": error_share(calls),
+        "tool/err_pos": error_share([status for traj in summaries if traj.correct for status in traj.calls]),
+        **{f"tool/{fault}": faults.count(fault) / max(1, len(faults)) for fault in ("unparsed", "unknown_tool", "repeat")},
+    }
+    for name in tool_names:
+        statuses = [status for traj in summaries for status, tool in zip(traj.calls, traj.call_tools) if tool == name]
+        metrics[f"tool/calls/{name}"], metrics[f"tool/err/{name}"] = len(statuses) / count, error_share(statuses)
+    return metrics
 
 
 def gather(obj):
@@ -110,20 +155,30 @@ def gather(obj):
     return out
 
 
-def gather_summaries(trajs):
-    """The Summary of every trajectory of every rank, ordered by key, on every rank."""
-    return sorted((s for part in gather([summarize(t) for t in trajs]) for s in part), key=lambda s: s.key)
+def gather_summaries(trajs, grades):
+    """The Summary of every trajectory of every rank, ordered by key, on every rank (grades: {key: grade} of
+    this rank's trajectories)."""
+    return sorted((s for part in gather([summarize(t, grades[t.key]) for t in trajs]) for s in part),
+                  key=lambda s: s.key)
+
+
+class Tokens(NamedTuple):
+    """A trajectory's tokens as arrays, what `exchange` moves (13 bytes a token)."""
+    key: tuple
+    prompt_ids: np.ndarray  # int32
+    response_ids: np.ndarray  # int32: everything after the prompt, tool responses included
+    mask: np.ndarray  # uint8: 1 on the tokens the policy sampled (the loss reads these only)
+    logprobs: np.ndarray  # float32: the engine's log-prob of each response token (0 where mask is 0)
 
 
 def compact(t):
-    """A trajectory's tokens as arrays (13 bytes a token)."""
-    return (t.key, np.asarray(t.prompt_ids, np.int32), np.asarray(t.response_ids, np.int32),
-            np.asarray(t.mask, np.uint8), np.asarray(t.logprobs, np.float32))
+    return Tokens(t.key, np.asarray(t.prompt_ids, np.int32), np.asarray(t.response_ids, np.int32),
+                  np.asarray(t.mask, np.uint8), np.asarray(t.logprobs, np.float32))
 
 
 def exchange(trajs, dest):
     """Send each of this rank's trajectories whose key is in dest to rank dest[key], compacted; returns
-    {key: (key, prompt_ids, response_ids, mask, logprobs)} of those sent here, from every rank. One
+    {key: Tokens} of those sent here, from every rank. One
     all-to-all of pickled bytes over the gloo group: each rank sends and receives only its own share."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = [[] for _ in range(world)]
@@ -131,7 +186,7 @@ def exchange(trajs, dest):
         if t.key in dest:
             out[dest[t.key]].append(compact(t))
     if world == 1:
-        return {c[0]: c for c in out[0]}
+        return {c.key: c for c in out[0]}
     send = [np.frombuffer(pickle.dumps(o, protocol=5), np.uint8) for o in out]
     sizes = torch.tensor([len(b) for b in send])
     recv_sizes = torch.empty_like(sizes)
@@ -141,6 +196,31 @@ def exchange(trajs, dest):
                            group=cpu_group())
     buf, got, at = recv.numpy(), {}, 0
     for n in recv_sizes.tolist():
-        got.update((c[0], c) for c in pickle.loads(buf[at:at + n]))
+        got.update((c.key, c) for c in pickle.loads(buf[at:at + n]))
         at += n
     return got
+
+
+# -----------------------------------------------------------------------------
+# the dumps: every trajectory written down by the rank that made it, the ranks' parts joined by rank 0
+
+def dump_line(traj, summary, tokenizer, question, prompt, **step_keys):
+    """One trajectory as one JSON line: the record of train_rl.py's rollouts/step_*.jsonl.gz and of eval.py's
+    trajectories.jsonl (view.py reads both). The response in runs of one mask value, the tool calls, the grade
+    and RoC's decisions (None / false in eval); step_keys: training's step and group_kind."""
+    return json.dumps({
+        **step_keys, "group": traj.key[1], "sample": traj.key[2], "question": question, "answer": summary.answer,
+        "prompt": prompt, "segments": agent.mask_runs(tokenizer, traj.response_ids, traj.mask),
+        "response_ids": traj.response_ids, "mask": traj.mask, "tool_calls": traj.tool_calls, "finish": summary.finish,
+        "turns": summary.turns, "reward": summary.reward, "correct": summary.correct, "pred": summary.pred,
+        "penalty": summary.penalty, "advantage": summary.advantage, "kept": summary.kept}, ensure_ascii=False) + "\n"
+
+
+def join_parts(path, world):
+    """Append the ranks' parts (path.0, path.1, ...) to path in rank order, then delete them: rank 0 does it
+    once every rank has closed its part. Gzip members concatenate, so gzip parts join the same way."""
+    with open(path, "wb") as out:
+        for rank in range(world):
+            with open(f"{path}.{rank}", "rb") as part:
+                shutil.copyfileobj(part, out)
+            os.remove(f"{path}.{rank}")

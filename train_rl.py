@@ -11,7 +11,7 @@ ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> th
 groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages ->
 token-balanced micro-batches -> the "old" log-probs (with one optimizer step per RL step, the update's
 own forward, detached) -> clipped token-mean policy loss -> AdamW -> new weights to the engines. Every
-step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch_*); tis_cap
+step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch/*); tis_cap
 and mismatch_band correct for it (off: not in the paper).
 
 How this deviates from textbook GRPO (all from the paper, §2.2):
@@ -32,10 +32,8 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 import functools
 import glob
 import gzip
-import json
 import math
 import os
-import shutil
 import time
 
 import numpy as np
@@ -53,18 +51,18 @@ from configurator import configure
 from model import load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import exchange, gather_summaries, generate
+from scheduler import dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
 model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
 data_path = "out/data/train.jsonl"  # JSONL with the task's columns (the math task: "question" and "answer")
 task = "tasks/math.py"  # the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
-run_dir = "out/tiny-rl"
+run_dir = "out/tiny-rl"  # checkpoints (step_*/), metrics.jsonl and rollouts/ go here
 resume = False  # continue from the latest checkpoint in run_dir
 data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
 optimizer_from = ""  # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
-steps = 60
+steps = 60  # RL steps (paper: 300 in stage 1)
 prompts_per_step = 8  # B (paper: 512)
 samples_per_prompt = 16  # 2G rollouts per prompt (paper: 32)
 keep_per_prompt = 8  # G kept by Resample-on-Correct (paper: 16)
@@ -73,10 +71,10 @@ roc_mode = "sample"  # "sample" (paper: p ∝ 1/penalty) or "deterministic" (rel
 score_truncated = False  # True: grade rollouts cut by the budget like finished ones (released code); paper: 0
 # rollout
 max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
-max_prompt_tokens = 128
+max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
-temperature = 1.0
-top_p = 1.0
+temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
+top_p = 1.0  # nucleus sampling; 1.0 = off
 kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
 kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
@@ -87,14 +85,14 @@ tool_timeout = 4.0  # seconds per call (rStar's README runs code-judge with MAX_
 tool_memory = 256 << 20  # bytes of address space per call (code-judge's MAX_MEMORY default)
 tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
 tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
-max_calls_per_turn = 1
+max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
 # optimisation
-lr = 1e-6
+lr = 1e-6  # AdamW learning rate (paper: 1e-6)
 warmup_steps = 20  # linear warm-up, then constant
-weight_decay = 0.01
-grad_clip = 1.0
-eps_low = 0.2
-eps_high = 0.28
+weight_decay = 0.01  # AdamW weight decay
+grad_clip = 1.0  # the gradients' global norm is clipped to this
+eps_low = 0.2  # the ratio's lower clip: 1 - eps_low
+eps_high = 0.28  # the ratio's upper clip: 1 + eps_high (clip-higher)
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
@@ -102,24 +100,21 @@ adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7
 loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
 max_tokens_per_micro = 4096  # tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
-activation_checkpointing = False
+activation_checkpointing = False  # recompute each layer's activations in the backward: less memory, more compute
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
 rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
 tis_cap = 0.0  # > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
 mismatch_band = 0.0  # > 0 (e.g. 0.5): drop a trajectory whose mean trainer - engine log-ratio leaves ±band
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
-save_every = 20
+save_every = 20  # a checkpoint every N steps, and at the last
 save_hf_every = 0  # HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
 keep_checkpoints = 3  # the newest N checkpoints stay (0: all); those with HF weights are never deleted
 dump_every = 10  # every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
 dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
-seed = 0
-wandb_project = ""
+seed = 0  # data order, RoC's sampling and every rollout's generator derive from it
+wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
-if deterministic and int(os.environ.get("WORLD_SIZE", 1)) > 1 and rollout_split != "static":
-    rollout_split = cfg["rollout_split"] = "static"  # which rank generates a request must not depend on timing
-    print0("deterministic=true on several ranks: rollout_split = 'static'")
 # -----------------------------------------------------------------------------
 
 try:
@@ -210,12 +205,12 @@ def micro_batch(kept, indices, advantages, tokens):
     tagged with its trajectory's advantage and index into `kept` (traj_index)."""
     seqs = []
     for index in indices:
-        _key, prompt, response, mask, logprobs = tokens[kept[index].key]
-        seq, pad = np.concatenate([prompt, response]), np.zeros(len(prompt) - 1)
+        traj = tokens[kept[index].key]
+        seq, pad = np.concatenate([traj.prompt_ids, traj.response_ids]), np.zeros(len(traj.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
-                     "mask": np.concatenate([pad, mask]),  # loss only on sampled tokens
+                     "mask": np.concatenate([pad, traj.mask]),  # loss only on sampled tokens
                      # the engine's log-prob of each sampled token
-                     "engine_logprobs": np.concatenate([pad, logprobs]),
+                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
@@ -223,33 +218,21 @@ def micro_batch(kept, indices, advantages, tokens):
 def dump_step(step, mine, summaries):
     """Every trajectory of the step as gzip JSONL: what a person reads (view.py) to see what the policy wrote,
     what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
-    parts to one file (gzip members concatenate), in rank order: readers sort by (group, sample)."""
+    parts to one file, in rank order: readers sort by (group, sample)."""
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    by_key, prompts = {s.key: s for s in summaries}, {}
+    by_key, prompts = {summary.key: summary for summary in summaries}, {}
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
-        for t in mine:
-            b, i, s = t.key[1], t.meta["problem"], by_key[t.key]
-            kind = grpo_roc.group_kind([x.meta for x in summaries[b * n_sample:(b + 1) * n_sample]])
-            prompts[i] = prompts.get(i) or tokenizer.decode(t.prompt_ids)  # a group's samples share their prompt
-            f.write(json.dumps({
-                "step": step, "group": b, "sample": t.key[2], "question": problems[i].get("question"),
-                "answer": t.meta["answer"], "prompt": prompts[i], "correct": t.meta["correct"],
-                "segments": agent.mask_runs(tokenizer, t.response_ids, t.mask),
-                "response_ids": t.response_ids, "mask": t.mask, "reward": t.meta["reward"], "finish": t.finish,
-                "turns": t.turns, "tool_calls": t.tool_calls, "group_kind": kind, "penalty": s.rl.get("penalty"),
-                "kept": "advantage" in s.rl, "advantage": s.rl.get("advantage")}, ensure_ascii=False) + "\n")
+        for traj in mine:
+            summary, group = by_key[traj.key], traj.key[1]
+            kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
+            if summary.problem not in prompts:  # a group's samples share their prompt: decoded once
+                prompts[summary.problem] = tokenizer.decode(traj.prompt_ids)
+            f.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
+                              prompts[summary.problem], step=step, group_kind=kind))
     barrier()
     if rank == 0:
-        with open(path, "wb") as out:
-            for r in range(world):
-                with open(f"{path}.{r}", "rb") as part:
-                    shutil.copyfileobj(part, out)
-                os.remove(f"{path}.{r}")
-
-
-def n_failed(statuses):
-    return sum(s in agent.TOOL_ERRORS for s in statuses)
+        join_parts(path, world)
 
 
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
@@ -281,15 +264,13 @@ while step < steps:
     # the grades of this rank's trajectories, made while the engine went on decoding; then what every rank
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
     grades = grader.results()
-    for traj in mine:
-        traj.meta.update(grades[traj.key])
     t_grade = time.perf_counter() - step_start - t_rollout
-    trajs = gather_summaries(mine)
+    trajs = gather_summaries(mine, grades)
     t_gather = time.perf_counter() - step_start - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
     groups = [trajs[group * n_sample:(group + 1) * n_sample] for group in range(prompts_per_step)]
-    rewards = torch.tensor([[traj.meta["reward"] for traj in group] for group in groups])  # (B, 2G)
+    rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     # per kept group: its kept samples, their rewards, and on which side of RoC each was kept
@@ -298,12 +279,12 @@ while step < steps:
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            penalties = [grpo_roc.penalty(len(traj.calls), n_failed(traj.calls), traj.meta["answers"], traj.turns)
+            penalties = [grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
                          for traj in groups[group]]
             chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
                                                   generator, mode=roc_mode).tolist()
             for traj, penalty in zip(groups[group], penalties):
-                traj.rl["penalty"] = penalty
+                traj.penalty = penalty
         kept.append([groups[group][index] for index in chosen])
         kept_rewards.append(rewards[group, chosen])
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
@@ -320,7 +301,7 @@ while step < steps:
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
         kept = [traj for group in kept for traj in group]
         for traj, advantage in zip(kept, advantages):
-            traj.rl["advantage"] = advantage  # also marks it kept, for the dump
+            traj.advantage, traj.kept = advantage, True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
@@ -395,45 +376,33 @@ while step < steps:
         sums = dict(zip(sums, summed))
         dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     n_loss = max(1.0, float(sums["n"]))
-    calls = [call for traj in trajs for call in traj.calls]
-    # the calls of correct trajectories
-    correct_calls = [call for traj in trajs if traj.meta["correct"] for call in traj.calls]
-    # the share of tool calls whose status is an error
-    error_share = lambda statuses: n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
-        "reward": rewards.mean().item(),
-        "kept": len(kept), "reward_kept": sum(traj.meta["reward"] for traj in kept) / max(1, len(kept)),
-        "groups_all_right": n_all_right / prompts_per_step, "groups_all_wrong": n_all_wrong / prompts_per_step,
-        "response_len": sum(traj.n_response for traj in trajs) / len(trajs),
-        "truncated_frac": sum(traj.finish == "length" for traj in trajs) / len(trajs),
-        "turns": sum(traj.turns for traj in trajs) / len(trajs),
-        "tool_calls": len(calls) / len(trajs),
-        "tool_err": error_share(calls), "tool_err_pos": error_share(correct_calls),
-        "entropy": float(sums["entropy"]), "clip_frac": float(sums["clip_frac"]),
-        "grad_norm": grad_norm, "lr": optimizer.param_groups[0]["lr"],
+        "rollout/reward": rewards.mean().item(),
+        # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
+        **rollout_metrics(trajs, task_module.TOOLS),
+        "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "rollout/generated_here": len(mine),
+        # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
+        "rollout/preemptions": engine.stats["preemptions"], "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],
+        "roc/kept": len(kept), "roc/reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
+        "roc/groups_all_right": n_all_right / prompts_per_step, "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
+        "loss/entropy": float(sums["entropy"]), "loss/clip_frac": float(sums["clip_frac"]),
+        "loss/grad_norm": grad_norm, "loss/lr": optimizer.param_groups[0]["lr"],
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
-        "mismatch_abs_mean": float(sums["abs"]) / n_loss, "mismatch_abs_max": float(mismatch_max),
-        "mismatch_kl_k3": float(sums["k3"]) / n_loss, "mismatch_ratio_out": float(sums["out"]) / n_loss,
+        "mismatch/abs_mean": float(sums["abs"]) / n_loss, "mismatch/abs_max": float(mismatch_max),
+        "mismatch/kl_k3": float(sums["k3"]) / n_loss, "mismatch/ratio_out": float(sums["out"]) / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
-        "t_rollout": t_rollout, "t_grade_wait": t_grade, "t_gather": t_gather, "t_exchange": t_exchange,
-        "t_tools_wait": engine.stats["tool_wait_s"], "t_train": t_train,
+        "time/rollout": t_rollout, "time/grade_wait": t_grade, "time/gather": t_gather, "time/exchange": t_exchange,
+        "time/tools_wait": engine.stats["tool_wait_s"], "time/train": t_train,
         # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
         # answers too long or nested too deep to parse, no helper to be had, the task's grade raised (grading.Grader.results)
-        "grade_timed_out": grader.stats["timed_out"], "grade_refused": grader.stats["refused"],
-        "grade_failed": grader.stats["failed"],
-        # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
-        "preemptions": engine.stats["preemptions"], "recomputed_tokens": engine.stats["recomputed_tokens"],
-        "tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "generated_here": len(mine),
+        "grade/timed_out": grader.stats["timed_out"], "grade/refused": grader.stats["refused"],
+        "grade/failed": grader.stats["failed"],
     }
-    # each tool the task offers: its calls per trajectory and the share of them that failed
-    for name in task_module.TOOLS:
-        statuses = [call for traj in trajs for call, tool in zip(traj.calls, traj.call_tools) if tool == name]
-        metrics[f"tool_calls/{name}"], metrics[f"tool_err/{name}"] = len(statuses) / len(trajs), error_share(statuses)
     logger.log(step, metrics)
-    print0(f"step {step:04d}/{steps} | reward {metrics['reward']:.3f} | kept {len(kept):3d} | "
-           f"len {metrics['response_len']:.0f} | trunc {metrics['truncated_frac']:.2f} | calls {metrics['tool_calls']:.2f} | "
-           f"tool_err {metrics['tool_err']:.3f} (pos {metrics['tool_err_pos']:.3f}) | "
-           f"ent {metrics['entropy']:.3f} | gnorm {metrics['grad_norm']:.2f} | "
+    print0(f"step {step:04d}/{steps} | reward {metrics['rollout/reward']:.3f} | kept {len(kept):3d} | "
+           f"len {metrics['rollout/response_len']:.0f} | trunc {metrics['rollout/truncated_frac']:.2f} | "
+           f"calls {metrics['tool/calls']:.2f} | tool_err {metrics['tool/err']:.3f} (pos {metrics['tool/err_pos']:.3f}) | "
+           f"ent {metrics['loss/entropy']:.3f} | gnorm {metrics['loss/grad_norm']:.2f} | "
            f"dt {t_rollout:.1f}+{t_train:.1f}s")
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):

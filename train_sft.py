@@ -218,6 +218,7 @@ if __name__ == "__main__":
     from common import Logger, collate, compute_cleanup, compute_init, full_value, pack, print0, resolve_model
     from configurator import configure
     from model import save_model, token_logprobs, use_flash
+    from scheduler import gather
 
     model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
     data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]  # [(JSONL path, "rstar2" | "chat", weight), ...]
@@ -301,10 +302,7 @@ if __name__ == "__main__":
                     mine.append(load(tokenizer, f, path, fmt, rows[i]))
                 except ValueError as e:
                     mine.append(str(e))  # every rank must reach the gather, then all stop
-            shares = [mine]
-            if dist.is_initialized():
-                shares = [None] * world
-                dist.all_gather_object(shares, mine)
+            shares = gather(mine)
             batch = []
             for k in range(len(items)):
                 rendered = shares[k % world][k // world]

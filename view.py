@@ -10,8 +10,8 @@ browser opens from disk: no server, no network, no external script or font.
 The page goes next to its input (RUN_DIR/view.html, or the dump's name with .html) unless -o says.
 A run dir puts every dumped step in one page: at 14B scale (16,384 rollouts of ~4K tokens a step) open
 one dump file at a time.
-train_rl.py writes one record per trajectory every `dump_every` steps (see dump_step there); eval.py
-writes the same record without the step-only keys (step, group_kind, penalty, kept, advantage).
+train_rl.py writes one record per trajectory every `dump_every` steps, eval.py one per trajectory it grades
+(both with scheduler.dump_line); eval's have no step and group_kind, and RoC's penalty, kept and advantage unset.
 
 On the page: a chart of reward, tool-error ratio and length over steps (metrics.jsonl, else the dumps);
 per step, each prompt with its samples side by side. Sampled tokens (mask 1, in the loss) are plain
@@ -101,7 +101,7 @@ def page_data(records):
 def step_series(records, metrics):
     """(step, reward, tool error ratio, mean length) per step: metrics.jsonl's rows, else the dumps'."""
     if metrics:
-        return [(m["step"], m["reward"], m["tool_err"], m["response_len"]) for m in metrics]
+        return [(m["step"], m["rollout/reward"], m["tool/err"], m["rollout/response_len"]) for m in metrics]
     rows = []
     for step, rs in itertools.groupby(sorted((r for r in records if r.get("step") is not None),
                                              key=lambda r: r["step"]), key=lambda r: r["step"]):
@@ -143,7 +143,7 @@ def chart(series, dumped, w=260, h=96):
 
 def render(records, metrics, title):
     """The page: one string, the data embedded as JSON that the script parses once."""
-    data = {"groups": page_data(records), "errors": sorted(TOOL_ERRORS), "rl": any("kept" in r for r in records)}
+    data = {"groups": page_data(records), "errors": sorted(TOOL_ERRORS), "rl": any(r.get("step") is not None for r in records)}
     blob = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # ascii; no "</script>" possible
     dumped = {r.get("step") for r in records}
     parts = {"TITLE": html.escape(title), "CHART": chart(step_series(records, metrics), dumped), "DATA": blob}

@@ -48,6 +48,15 @@ READING_PATH = (
     "grpo_roc.py:policy_loss", "train_rl.py:sync_policy",
 )
 
+# files read as one stop: the task file through grading's contract (Grader.grade calls its answer and grade),
+# the sandbox's two halves as one sandbox (one budget, one contract: agent.TOOL_STATUSES)
+ONE_STOP = {"tasks/math.py": "grading.py", "sandbox_worker.py": "sandbox.py"}
+
+
+def stops(files):
+    """The stops a reader makes to open these files (ONE_STOP's pairs count once)."""
+    return len({ONE_STOP.get(path, path) for path in files})
+
 
 def code_lines(path):
     return len(code_line_numbers(path))
@@ -95,13 +104,14 @@ def resolve(anchor):
 
 
 def reading_path():
-    """(the code lines of each READING_PATH function, in order; the number of files they span)."""
+    """(the code lines of each READING_PATH function, in order; the number of files they span; and of stops)."""
     counts = []
     for anchor in READING_PATH:
         node = resolve(anchor)
         path = os.path.join(ROOT, anchor.partition(":")[0])
         counts.append(len(code_line_numbers(path) & set(range(node.lineno, node.end_lineno + 1))))
-    return counts, len({anchor.partition(":")[0] for anchor in READING_PATH})
+    files = {anchor.partition(":")[0] for anchor in READING_PATH}
+    return counts, len(files), stops(files)
 
 
 def local_imports(module):
@@ -134,7 +144,7 @@ if __name__ == "__main__":
     ok = total <= BUDGET and box <= SANDBOX_BUDGET
     print(f"core {total} code lines (budget {BUDGET}), sandbox pair {box} (budget {SANDBOX_BUDGET}): "
           f"{'within budget' if ok else 'over budget'}")
-    path_lines, path_files = reading_path()
+    path_lines, path_files, path_stops = reading_path()
     print(f"reading path (prompt -> gradient): {len(READING_PATH)} functions, {sum(path_lines)} code lines "
-          f"in {path_files} files")
+          f"in {path_files} files, {path_stops} stops (the task file read with grading's contract)")
     sys.exit(0)

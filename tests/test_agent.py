@@ -267,6 +267,19 @@ def test_surplus_calls_get_no_record():
     assert tok.decode(t.response_ids).count("<tool_response>") == 1 and t.finish == "stop"
 
 
+def test_call_faults_tell_unparsed_unknown_and_repeated_calls():
+    # the records start_call makes, one call a turn, in order: the tool-format health train_rl.py logs
+    python = {"name": agent.TOOL_NAME, "arguments": {"code": "print(1)"}}
+    turns = ['{"name": "x"',  # not JSON
+             json.dumps({**python, "name": "python"}),  # a name the table lacks
+             json.dumps(python), json.dumps(python),  # a call, then the same call verbatim
+             json.dumps({**python, "arguments": {"code": "print(2)"}}),  # the same tool with new code
+             '{"name": "x"', '{"name": "x"']  # a failed parse repeated is still a failed parse
+    records = [agent.start_call(agent.parse_tool_calls(block(turn))[0], agent.PYTHON_TOOLS, Submits())[0] for turn in turns]
+    assert agent.call_faults(records) == ["unparsed", "unknown_tool", "", "repeat", "", "unparsed", "unparsed"]
+    assert agent.call_faults([{"status": "ok"}, {"status": "ok"}]) == ["", ""]  # records without a tool: no repeat
+
+
 def test_truncate():
     assert agent.truncate("short", 10) == "short"
     text = "".join(chr(ord("a") + i % 26) for i in range(100))

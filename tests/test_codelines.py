@@ -27,9 +27,9 @@ def test_code_lines_leave_comments_docstrings_and_blank_lines_free(tmp_path):
 
 def test_reading_path_resolves_and_is_counted():
     # every name on the path is a function or method that still exists, with code lines of its own
-    lines, files = codelines.reading_path()
+    lines, files, stops = codelines.reading_path()
     assert len(lines) == len(codelines.READING_PATH) and all(n > 0 for n in lines), lines
-    assert files == len({a.partition(":")[0] for a in codelines.READING_PATH})
+    assert files == len({a.partition(":")[0] for a in codelines.READING_PATH}) and stops == files - 1
     for bad in ("rollout.py:Engine.no_such_method", "nowhere.py:run", "agent.py:NoSuchName"):
         with pytest.raises(LookupError, match=bad.split(":")[0]):
             codelines.resolve(bad)
@@ -43,3 +43,16 @@ def test_readme_map_anchors_resolve():
     assert len(anchors) >= 40, anchors
     for anchor in anchors:
         codelines.resolve(anchor)
+
+
+def test_readme_map_each_question_needs_at_most_two_stops():
+    # a newcomer's question is answered by opening at most two files (the sandbox pair and a task file with
+    # grading.py count as one stop each, codelines.ONE_STOP); the README says how many each row needs
+    readme = open(os.path.join(codelines.ROOT, "README.md"), encoding="utf-8").read()
+    section = readme.split("\n## Where is it in the code\n", 1)[1].split("\n## ", 1)[0]
+    questions = section.split("| Question | Where |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in questions.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) >= 13, rows
+    for row in rows:
+        files = set(re.findall(r"`([\w/]+\.py)(?::[\w.]+)?`", row))
+        assert codelines.stops(files) <= 2, (row, files)

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -59,3 +60,24 @@ def test_help_lists_keys_defaults_and_types():
     out = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert "--lr=1e-06  (float)" in out.stdout and "--steps=3  (int)" in out.stdout
+
+
+def test_help_prints_the_comment_beside_each_default(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from configurator import configure\n"
+        "lr = 1e-6  # the learning rate\n"
+        "tag = '# not a comment'\n"  # a # inside a string
+        "cap = 4  # a long comment that\n"
+        "#         goes on below\n"
+        "# a section header, not part of cap's comment\n"
+        "steps = 3\n"
+        "cfg = configure(globals())\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    lines = {line.split("=")[0].strip(): line for line in out.stdout.splitlines() if line.startswith("  --")}
+    assert lines["--lr"].endswith("(float)  the learning rate")
+    assert lines["--tag"].endswith("(str)") and lines["--steps"].endswith("(int)")
+    assert lines["--cap"].endswith("(int)  a long comment that goes on below")

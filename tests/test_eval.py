@@ -61,10 +61,11 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
-                   turns=turns, finish=finish, meta={"answer": gold})
+                   turns=turns, finish=finish, meta={"answer": gold, "problem": problem})
     reward = grading.reward(text, gold)
-    t.meta.update(reward=reward, correct=reward == 1.0, pred=agent.extract_answer(text))
-    return summarize(t)  # what eval keeps of a trajectory
+    grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
+             "pred": agent.extract_answer(text)}
+    return summarize(t, grade)  # what eval keeps of a trajectory
 
 
 def test_metrics_hand_computed():
@@ -79,7 +80,7 @@ def test_metrics_hand_computed():
         [traj(2, 0, "3", "3", 100, 50), traj(2, 1, "3", "4", 100, 50), traj(2, 2, "3", "4", 100, 50, ["overloaded"], 2),
          traj(2, 3, "3", "3", 100, 50, [], 1, "length")],
     ]
-    assert [t.meta["reward"] for t in groups[0]] == [1.0, 0.0, 0.0, 1.0]
+    assert [t.reward for t in groups[0]] == [1.0, 0.0, 0.0, 1.0]
     s, per = ev.metrics(groups)
     assert s["problems"] == 3 and s["samples"] == 4
     accs = [0.5, 0.25, 0.5]
@@ -95,24 +96,26 @@ def test_metrics_hand_computed():
     assert [p["maj_answer"] for p in per] == ["42", "7", "3"] and [p["maj_correct"] for p in per] == [1.0, 0.0, 1.0]
     lengths = [10, 20, 30, 40] + [5] * 4 + [100] * 4
     model = [6, 20, 10, 40] + [5] * 4 + [50] * 4
-    assert s["mean_length"] == pytest.approx(sum(lengths) / 12) and s["median_length"] == 25
-    assert s["mean_model_tokens"] == pytest.approx(sum(model) / 12) and s["median_model_tokens"] == 15
-    assert s["turns"] == pytest.approx((2 + 1 + 4 + 1 + 1 + 2 + 1 + 3 + 1 + 1 + 2 + 1) / 12)
-    assert s["tool_calls"] == pytest.approx(9 / 12)
+    assert s["rollout/response_len"] == pytest.approx(sum(lengths) / 12) and s["rollout/response_len_median"] == 25
+    assert s["rollout/sampled_len"] == pytest.approx(sum(model) / 12) and s["rollout/sampled_len_median"] == 15
+    assert s["rollout/turns"] == pytest.approx((2 + 1 + 4 + 1 + 1 + 2 + 1 + 3 + 1 + 1 + 2 + 1) / 12)
+    assert s["tool/calls"] == pytest.approx(9 / 12)
     # errors: error, timeout, invalid, memory, crash = 5 of 9 calls (ok and overloaded are not errors)
-    assert s["tool_error_ratio"] == pytest.approx(5 / 9)
-    assert s["truncation_ratio"] == pytest.approx(2 / 12) and s["max_turns_ratio"] == pytest.approx(1 / 12)
-    assert s["no_answer_ratio"] == pytest.approx(1 / 12)
+    assert s["tool/err"] == pytest.approx(5 / 9)
+    # the one "invalid" record has no tool and no answer text: a call that did not parse
+    assert s["tool/unparsed"] == pytest.approx(1 / 9) and s["tool/unknown_tool"] == s["tool/repeat"] == 0.0
+    assert s["rollout/truncated_frac"] == pytest.approx(2 / 12) and s["rollout/max_turns_frac"] == pytest.approx(1 / 12)
+    assert s["rollout/no_answer_frac"] == pytest.approx(1 / 12)
     assert [p["correct"] for p in per] == [2, 1, 2] and [p["tool_errors"] for p in per] == [3, 2, 0]
-    assert per[0]["answers"] == ["42", "41", None, "042"] and per[0]["mean_length"] == 25
+    assert per[0]["preds"] == ["42", "41", None, "042"] and per[0]["response_len"] == 25
     assert per[0]["truncated"] == 1 and per[2]["tool_calls"] == 1
 
 
 def test_metrics_majority_counts_first_sample_reward_and_no_answers():
     # no sample answers: maj wrong, no_answer 1; one sample only: se 0
     s, per = ev.metrics([[traj(0, 0, "5", None, 3, 3), traj(0, 1, "5", None, 3, 3)]])
-    assert s["maj@k"] == 0.0 and per[0]["maj_answer"] is None and s["no_answer_ratio"] == 1.0
-    assert s["avg@k_se"] == 0.0 and s["tool_error_ratio"] == 0.0
+    assert s["maj@k"] == 0.0 and per[0]["maj_answer"] is None and s["rollout/no_answer_frac"] == 1.0
+    assert s["avg@k_se"] == 0.0 and s["tool/err"] == 0.0
     with pytest.raises(ValueError, match="same non-zero number of samples"):
         ev.metrics([[traj(0, 0, "5", "5", 3, 3)], []])
 
@@ -185,8 +188,8 @@ def test_script_runs_and_writes_outputs(tiny, first_run):
         assert "".join(text for text, _ in t["segments"]) and t["segments"][0][1] == 1
     # the summary agrees with the dump it came from
     assert s["avg@k"] == pytest.approx(sum(t["reward"] for t in trajs) / 6)
-    assert s["mean_length"] == pytest.approx(sum(len(t["response_ids"]) for t in trajs) / 6)
-    assert s["truncation_ratio"] == pytest.approx(sum(t["finish"] == "length" for t in trajs) / 6)
+    assert s["rollout/response_len"] == pytest.approx(sum(len(t["response_ids"]) for t in trajs) / 6)
+    assert s["rollout/truncated_frac"] == pytest.approx(sum(t["finish"] == "length" for t in trajs) / 6)
     per = read_out(out / "per_problem.jsonl")
     assert [p["index"] for p in per] == [0, 1, 2]
     assert [p["correct"] for p in per] == [sum(t["reward"] for t in trajs if t["group"] == i) for i in range(3)]

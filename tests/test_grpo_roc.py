@@ -3,6 +3,7 @@ RoC sampling, the released code's sizing rule transcribed as a reference, and a 
 
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_sides_change_nothing_for_binary_rewards():
 
 
 def test_group_kind_uses_correct_not_reward():
-    grade = lambda r, c: {"reward": r, "correct": c}  # noqa: E731
+    grade = lambda r, c: types.SimpleNamespace(reward=r, correct=c)  # noqa: E731
     assert grpo_roc.group_kind([grade(1.0, True), grade(0.5, False)]) == "mixed"
     assert grpo_roc.group_kind([grade(0.5, False), grade(0.5, False)]) == "all_wrong"  # uniform, none correct
     assert grpo_roc.group_kind([grade(0.9, True), grade(0.9, True)]) == "all_correct"  # a task's own "correct"

@@ -96,10 +96,10 @@ def test_stage1_rehearsal_every_hard_case(tiny, tmp_path):
     # a truncated rollout scores 0 without being read, and only the mixed groups reach RoC
     assert all(r["reward"] == 0 for r in step1 if r["finish"] == "length")
     assert all((r["penalty"] is None) == (r["group_kind"] != "mixed") for r in step1)
-    assert sum(r["kept"] for r in step1) == metrics[0]["kept"] > 0
+    assert sum(r["kept"] for r in step1) == metrics[0]["roc/kept"] > 0
     # step 3: every group is all correct, so nothing is kept and the weights stay as they are
-    assert metrics[2]["kept"] == 0 and metrics[2]["groups_all_right"] == 1.0 and metrics[2]["grad_norm"] == 0.0
-    assert metrics[1]["grad_norm"] > 0 and metrics[3]["grad_norm"] > 0
+    assert metrics[2]["roc/kept"] == 0 and metrics[2]["roc/groups_all_right"] == 1.0 and metrics[2]["loss/grad_norm"] == 0.0
+    assert metrics[1]["loss/grad_norm"] > 0 and metrics[3]["loss/grad_norm"] > 0
 
     # the data stream: a permutation per epoch (10 problems, 4 a step), reshuffled for the next epoch
     questions = [r["question"] for step in (1, 2, 3, 4) for r in records(a, step) if r["sample"] == 0]

@@ -178,10 +178,11 @@ def test_synthetic_set_at_one_percent_counts_as_planted(tmp_path):
 def graded(problem, sample, gold, answer):
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1], response_ids=[5] * 4, mask=[1] * 4, tool_calls=[],
-                   turns=1, finish="stop", meta={"answer": gold})
+                   turns=1, finish="stop", meta={"answer": gold, "problem": problem})
     reward = grading.reward(text, gold)
-    t.meta.update(reward=reward, correct=reward == 1.0, pred=agent.extract_answer(text))
-    return summarize(t)
+    grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
+             "pred": agent.extract_answer(text)}
+    return summarize(t, grade)
 
 
 def test_keep_rule_label_check_and_stage3_on_scripted_samples():

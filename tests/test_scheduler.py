@@ -11,6 +11,7 @@ import transformers
 
 import agent
 import data
+import grading
 from model import load_model
 from rollout import Engine, Request
 from scheduler import gather_summaries, generate
@@ -43,7 +44,8 @@ def worker(rank, path, init_file, results):
         model.forward_cached = slow
     engine = Engine(model, tok, kv_capacity=2 * 128, max_len=128, temperature=1.0, seed=1)
     engine.stop_ids = set()  # always decode the full budget: equal work per request
-    reqs = [Request(agent.render_prompt(tok, f"What is {i} + {i}?"), key=(0, i, 0)) for i in range(N_REQUESTS)]
+    reqs = [Request(agent.render_prompt(tok, f"What is {i} + {i}?"), key=(0, i, 0), meta={"problem": i})
+            for i in range(N_REQUESTS)]
     out = {}
     for mode in ("static", "dynamic"):
         dist.barrier()
@@ -52,7 +54,7 @@ def worker(rank, path, init_file, results):
         dist.barrier()
         t = time.perf_counter() - t0
         # each rank keeps what it generated; every rank learns a summary of everything
-        out[mode] = (t, len(mine), [(s.key, s.n_response) for s in gather_summaries(mine)],
+        out[mode] = (t, len(mine), [(s.key, s.n_response) for s in gather_summaries(mine, {x.key: grading._ZERO for x in mine})],
                      [(x.key, x.response_ids) for x in mine])
     results[rank] = out
     dist.destroy_process_group()

@@ -67,7 +67,7 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
     assert "resumed from" in out.stdout
     metrics = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert sum(m["grad_norm"] > 0 for m in metrics) >= 2  # real updates happened, or this test proves nothing
+    assert sum(m["loss/grad_norm"] > 0 for m in metrics) >= 2  # real updates happened, or this test proves nothing
     a, b = weights(tmp_path / "a" / "step_000004"), weights(tmp_path / "b" / "step_000004")
     start = weights(sft / "sft")
     assert any(not torch.equal(a[k], start[k]) for k in a)
@@ -83,7 +83,7 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
 def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
     rl(sft, tmp_path / "r", "--steps=2", overlay)
     metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
-    assert [m["step"] for m in metrics] == [1, 2] and any(m["grad_norm"] > 0 for m in metrics)
+    assert [m["step"] for m in metrics] == [1, 2] and any(m["loss/grad_norm"] > 0 for m in metrics)
 
 
 def test_hub_ids_resolve_offline_and_missing_paths_are_named(sft, tmp_path):
@@ -202,13 +202,13 @@ def test_a_second_tool_is_learned_and_called(sft, tmp_path):
     # the step's tool error ratio is over every tool's calls, the calculator's failures included
     metrics = json.loads(open(tmp_path / "r" / "metrics.jsonl").readline())
     failed = sum(c["status"] in agent.TOOL_ERRORS for c in calls)
-    assert metrics["tool_err"] == pytest.approx(failed / len(calls))
+    assert metrics["tool/err"] == pytest.approx(failed / len(calls))
     assert any(c["tool"] == "calculate" and c["status"] == "error" for c in calls)  # it learned to fail sometimes too
     # and per tool: the calculator's own calls and failures, next to the Python tool's
     calc_calls = [c for c in calls if c["tool"] == "calculate"]
-    assert metrics["tool_calls/calculate"] == pytest.approx(len(calc_calls) / len(recs))
-    assert metrics["tool_err/calculate"] == pytest.approx(sum(c["status"] == "error" for c in calc_calls) / len(calc_calls))
-    assert f"tool_err/{agent.TOOL_NAME}" in metrics
+    assert metrics["tool/calls/calculate"] == pytest.approx(len(calc_calls) / len(recs))
+    assert metrics["tool/err/calculate"] == pytest.approx(sum(c["status"] == "error" for c in calc_calls) / len(calc_calls))
+    assert f"tool/err/{agent.TOOL_NAME}" in metrics
 
 
 def test_the_gpu_bench_dry_runs_on_the_cpu(sft, tmp_path):
