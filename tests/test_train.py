@@ -244,7 +244,7 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     table = open(root / "demo" / "seeds.md").read()
     for arm, run_name in [("GRPO-RoC", "grpo-roc"), ("GRPO", "grpo")]:
         metrics = [json.loads(line) for line in open(root / "seeds" / f"{run_name}-s0" / "metrics.jsonl")]
-        curve = [m["tool_err_pos"] for m in metrics]
+        curve = [m["tool/err_pos"] for m in metrics]
         (row,) = shown["rows"][arm]
         assert len(curve) == 2 and row["curve"] == curve
         assert row["first"] == row["last"] == pytest.approx(sum(curve) / 2)  # 2 steps: both windows hold both
