@@ -50,8 +50,8 @@ error: train_rl.py skips them too, so the filter and training agree on which pro
 
 Sampling is reproducible: every trajectory samples from its own generator seeded from
 (seed, 0, problem index, sample index), so a CPU run with the same seed gives the same numbers, and two
-checkpoints are compared on the same random numbers. evaluate() can be imported by another script (tests
-do); importing this file runs nothing. Grading follows the training rule: answers are read from what the
+checkpoints are compared on the same random numbers. evaluate() can be imported by another script; importing
+this file runs nothing. Grading follows the training rule: answers are read from what the
 policy sampled only, and a trajectory cut by the budget scores 0 (--score_truncated=true: grade it anyway,
 as the released code does).
 """
@@ -143,21 +143,19 @@ def metrics(groups):
     return summary, per_problem
 
 
-def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False,
-             prompt_ids=None, on_graded=None, task=None):
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False, *,
+             prompt_ids, task, on_graded=None):
     """
-    Sample `samples` trajectories for every problem (the task's rows, by default tasks/math.py's {"question",
-    "answer"}; prompt_ids: their rendered prompts, if already tokenized) with the engine's own sampling settings
-    and tools, `budget` response tokens each, graded by the task's grade(); under torchrun the work is shared
-    across ranks. Memory does not grow with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded (on_graded(trajectory,
-    summary) sees it first, on the rank that made it: e.g. to write it down); what is kept of it is its Summary.
+    Sample `samples` trajectories for every problem (the rows of the task module `task`; prompt_ids: their
+    rendered prompts, tokenized) with the engine's own sampling settings and tools, `budget` response tokens
+    each, graded by the task's grade(); under torchrun the work is shared across ranks. Memory does not grow
+    with the number of problems: requests are made as a rank claims them, and a trajectory is let go once graded
+    (on_graded(trajectory, summary) sees it first, on the rank that made it: e.g. to write it down); what is
+    kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    task = task or grading.load_task("tasks/math.py")
-    if prompt_ids is None:
-        prompt_ids = [tokenizer.encode(task.prompt(p), add_special_tokens=False) for p in problems]
     requests = Lazy(len(problems) * samples, lambda j: Request(
         list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
         meta={"answer": problems[j // samples].get("answer"), "problem": j // samples}))

@@ -100,7 +100,7 @@ def page_data(records):
 
 def step_series(records, metrics):
     """(step, reward, tool error ratio, mean length) per step: metrics.jsonl's rows, else the dumps'."""
-    if metrics:
+    if metrics and "rollout/reward" in metrics[0]:  # a run from before the namespaces: from its dumps
         return [(m["step"], m["rollout/reward"], m["tool/err"], m["rollout/response_len"]) for m in metrics]
     rows = []
     for step, rs in itertools.groupby(sorted((r for r in records if r.get("step") is not None),
