@@ -755,8 +755,8 @@ def synthetic_trajectories(rank, n, mean_tokens, seed=0):
             key=(0, (rank * n + i) // 32, (rank * n + i) % 32), prompt_ids=[rng.randrange(151936) for _ in range(p)],
             response_ids=[rng.randrange(151936) for _ in range(r)], mask=mask,
             logprobs=[-rng.random() if m else 0.0 for m in mask], tool_calls=calls, turns=len(calls) + 1,
-            finish="stop", meta={"answer": "42", "problem": i, "reward": float(rng.random() < 0.5), "answers": 1,
-                                 "pred": "42"}))
+            finish="stop", meta={"answer": "42", "problem": i, "reward": float(rng.random() < 0.5), "correct": False,
+                                 "n_answers": 1, "pred": "42"}))
     return out
 
 
@@ -787,7 +787,7 @@ def scale_worker(rank, world, init, variant, n, mean_tokens, results):
         secs = time.perf_counter() - t0
         gathers = {"all_gather_object(trajectories)": (sum(len(pickle.dumps(p)) for p in everything), secs)}
     else:  # every rank gets the summaries; the tokens of half the trajectories move, to the rank that trains them
-        local = [scheduler.summarize(t) for t in mine]  # (its own trajectories: scales with them, not with all)
+        local = [scheduler.summarize(t, t.meta) for t in mine]  # (its own trajectories: scales with them, not with all)
         t_local = time.perf_counter() - t0
         t0 = time.perf_counter()
         summaries = sorted((s for part in scheduler.gather(local) for s in part), key=lambda s: s.key)
@@ -1124,8 +1124,10 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             return {"failed": f"rc {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
-        keys = ("reward", "kept", "grad_norm", "response_len", "tool_calls", "t_rollout", "t_train", "tok_per_s")
-        return {"wall_s": wall, "steps": [{k: m.get(k) for k in keys} for m in read_metrics(run_dir)]}
+        keys = {"reward": "rollout/reward", "kept": "roc/kept", "grad_norm": "loss/grad_norm", "tool_calls": "tool/calls",
+                "response_len": "rollout/response_len", "t_rollout": "time/rollout", "t_train": "time/train",
+                "tok_per_s": "rollout/tok_per_s"}  # its report's names: train_rl.py's metrics.jsonl keys
+        return {"wall_s": wall, "steps": [{k: m.get(v) for k, v in keys.items()} for m in read_metrics(run_dir)]}
 
 
 def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts):
