@@ -166,11 +166,19 @@ def _call(reason, code):
     return {"role": "assistant", "content": f"<reason>{reason}</reason>", "tool_calls": [{"type": "function", "function": fn}]}
 
 
-def sft_conversation(problem, rng, run, error_rate=0.25):
+# the first calls that fail, by kind. "typo": the expression is typed into a buggy line, and the fix types it
+# again (a NameError, a wrong variable, a missing parenthesis). "undefined": the call prints a variable that no
+# earlier call defined in this process (each call runs fresh, a classic agent mistake), and the fix is the first
+# to type the expression: recovering then costs a turn but no extra copy, so it pays as well as a clean call.
+BUGS = {"typo": ("prnt({expr})", "result = {expr}\nprint(reslt)", "print({expr}"),
+        "undefined": ("print(result)", "print(answer)", "print(value)")}
+
+
+def sft_conversation(problem, rng, run, error_rate=0.25, bug_kind="typo"):
     """
     OpenAI-format messages solving problem with the tool: [user, assistant+call, tool, (assistant+call,
-    tool,) assistant answer]. With probability error_rate the first call has a bug and the next turn
-    fixes it. run(list[(code, stdin)]) -> list[result] executes the calls (the sandbox pool's map);
+    tool,) assistant answer]. With probability error_rate the first call has a bug of BUGS[bug_kind] and the
+    next turn fixes it. run(list[(code, stdin)]) -> list[result] executes the calls (the sandbox pool's map);
     tool messages are agent.tool_response_text of the real results.
     """
     q = problem["question"]
@@ -180,7 +188,7 @@ def sft_conversation(problem, rng, run, error_rate=0.25):
     good = f"print({expr})"
     bad = None
     if rng.random() < error_rate:
-        bad = rng.choice([f"prnt({expr})", f"result = {expr}\nprint(reslt)", f"print({expr}"])
+        bad = rng.choice(BUGS[bug_kind]).format(expr=expr)
     codes = [bad, good] if bad else [good]
     results = run([(code, "") for code in codes])
     texts = [agent.tool_response_text(r) for r in results]
@@ -230,7 +238,7 @@ def train_tokenizer(texts, vocab_size=4096):
 
 
 def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_sft=2000, max_digits=3, max_ops=2,
-            error_rate=0.25, vocab_size=4096,
+            error_rate=0.25, bug_kind="typo", vocab_size=4096,
             hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=384,
             max_position_embeddings=1024, rope_theta=10000.0):
     """
@@ -250,7 +258,7 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
     sft_problems = make_problems(n_sft, seed + 2, max_digits, max_ops, exclude={p["question"] for p in heldout})
     # 2. SFT conversations with the real outputs of the code
     rng = random.Random(seed)
-    sft = [dict(p, messages=sft_conversation(p, rng, run, error_rate)) for p in sft_problems]
+    sft = [dict(p, messages=sft_conversation(p, rng, run, error_rate, bug_kind)) for p in sft_problems]
     # 3. the tokenizer, trained on exactly the text the model will see
     texts = ["".join(text for text, _ in agent.conversation_segments(c["messages"])) for c in sft]
     tokenizer = train_tokenizer(texts, vocab_size)
@@ -544,6 +552,7 @@ if __name__ == "__main__":
     # the share of SFT traces whose first call fails (a typo, a wrong name, a missing parenthesis) and whose
     # next turn fixes it; `python demo.py --seeds=N --recover` raises it so that recovering is practised
     parser.add_argument("--error_rate", type=float, default=0.25)
+    parser.add_argument("--bug_kind", choices=sorted(BUGS), default="typo", help="which first calls fail (see BUGS)")
     args = parser.parse_args()
     if not 0 <= args.error_rate <= 1:
         parser.error(f"--error_rate is a share in [0, 1], got {args.error_rate}")
@@ -572,4 +581,4 @@ if __name__ == "__main__":
     with SandboxPool(timeout=4.0) as pool:
         prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
                 n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops,
-                error_rate=args.error_rate)
+                error_rate=args.error_rate, bug_kind=args.bug_kind)

@@ -94,7 +94,7 @@ sh(f"{base}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", 
 if recover:
     # the same problems traced again, now with 60% of the first calls failing and fixed on the next turn
     sh(f"{root}/data/sft.jsonl", "data.py", "prepare", f"--out={root}/tiny-base", "--n_sft=5000", f"--seed={seed}",
-       "--error_rate=0.6")
+       "--error_rate=0.6", "--bug_kind=undefined")
     # one more SFT epoch on them, from the default SFT model: it already copies numbers into code reliably, which
     # a model trained on these traces from scratch did not learn in the same 4 epochs (8% held-out accuracy)
     sh(f"{root}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",

@@ -106,6 +106,11 @@ def test_sft_conversation():
         # the bug is a real one: the sandbox runs the first call and it fails
         (first,) = agent.parse_tool_calls(text_of(buggy).split("<|im_start|>assistant")[1])
         assert run_inprocess([(first.arguments["code"], "")])[0].status == "error"
+    # the "undefined" kind: the first call names a variable no call defined; the fix is the first to type the expression
+    for seed in range(3):
+        buggy = data.sft_conversation(problem, random.Random(seed), run_inprocess, error_rate=1.0, bug_kind="undefined")
+        first, fix = (m["tool_calls"][0]["function"]["arguments"]["code"] for m in (buggy[1], buggy[3]))
+        assert "12 * 34" not in first and "NameError" in buggy[2]["content"] and fix == "print(12 * 34 - 5)"
     # the whole trace is in protocol: parsing the rendered turns gives back the executed code
     ids_text = text_of(clean)
     assert agent.parse_tool_calls(ids_text.split("<|im_start|>assistant")[1]) == [agent.ToolCall(agent.TOOL_NAME, {"code": "print(12 * 34 - 5)", "input": ""})]
