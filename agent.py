@@ -467,8 +467,13 @@ def conversation_segments(messages, tools=PYTHON_TOOLS):
 def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
     """(ids, mask) for SFT, built exactly like a rollout: mask is 1 on the tokens the policy would sample.
     tools: the table whose schemas the prompt lists (the default: the rStar2 task's Python tool)."""
+    return encode_segments(tokenizer, conversation_segments(messages, tools))
+
+
+def encode_segments(tokenizer, segments):
+    """(ids, mask) of (text, mask) pieces, each tokenized on its own, the way a rollout appends tokens."""
     ids, mask = [], []
-    for text, m in conversation_segments(messages, tools):
+    for text, m in segments:
         piece = tokenizer.encode(text, add_special_tokens=False)
         ids += piece
         mask += [m] * len(piece)

@@ -99,12 +99,7 @@ def render_chat(tokenizer, messages, tools=None):
         pieces += [(full[pos:start], 0), (body, 1)]
         pos = start + len(body)
     pieces.append((full[pos:], 0))
-    ids, mask = [], []
-    for text, m in pieces:
-        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
-        ids += piece
-        mask += [m] * len(piece)
-    return ids, mask
+    return agent.encode_segments(tokenizer, [(text, m) for text, m in pieces if text])
 
 
 def parse(line, fmt):
