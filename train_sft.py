@@ -118,10 +118,7 @@ def parse(line, fmt):
             raise ValueError('"tools" must be a list of schemas {"type": "function", "function": {"name": ...}}')
         # the prompt's tool table: the schemas only (nothing runs in SFT)
         table = agent.PYTHON_TOOLS if tools is None else {t["function"]["name"]: agent.Tool(t, None) for t in tools}
-        try:
-            agent.conversation_segments(row["messages"], table)
-        except (TypeError, AttributeError) as e:
-            raise ValueError(f"malformed messages ({e})") from None
+        agent.conversation_segments(row["messages"], table)  # agent.check_messages' checks, then the protocol's
         return row["messages"], table
     return check_chat(row["messages"], row.get("tools")), row.get("tools")
 
