@@ -30,7 +30,6 @@ import threading
 import time
 
 from agent import count_answers, extract_answer, sampled_turns
-from sandbox import read_line, write_all
 
 # -----------------------------------------------------------------------------
 # the math-verify rule (the rStar2 task's reward): answers normalised, then compared
@@ -74,6 +73,7 @@ def _too_big(s):
 def _talk(proc, data, timeout):
     # send data to a helper and read its one-line answer, all within timeout seconds and never blocking past
     # it (writes are non-blocking: a stopped helper leaves the pipe full); None if it is late or gone
+    from sandbox import read_line, write_all  # here, not above: the helper itself (this file) never imports it
     deadline = time.monotonic() + timeout
     try:
         write_all(proc.stdin.fileno(), data, deadline)

@@ -115,6 +115,7 @@ import ast
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -329,13 +330,11 @@ class SandboxPool:
                 break
             _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
-            try:
+            with contextlib.suppress(OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
                 write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
                 reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
-                pass
             if result is None:  # died, or no answer in time: answer the call, replace the worker
                 _stop(proc, kill=True)
                 procs[rich] = None
@@ -503,10 +502,8 @@ def write_all(fd, data, deadline):
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError("worker did not read its request")
-        try:
+        with contextlib.suppress(BlockingIOError):
             view = view[os.write(fd, view):]
-        except BlockingIOError:
-            pass
 
 
 def read_line(fd, buf, deadline):
@@ -534,10 +531,8 @@ def read_line(fd, buf, deadline):
 def _stop(proc, kill):
     if proc is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         proc.stdin.close()  # a worker exits on EOF; as pid 1 its exit ends its whole namespace
-    except OSError:
-        pass
     if not kill:
         try:
             proc.wait(timeout=5)
