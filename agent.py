@@ -379,73 +379,101 @@ def read_tool_call(call, i):
     return fn["name"], args
 
 
+def check_messages(messages, tool_names=None):
+    """
+    The checks every SFT conversation passes, whatever renders it: a non-empty list of system / user / assistant /
+    tool messages, string contents (an assistant's may be None when it calls tools), the first assistant after a
+    user, each assistant turn's tool calls answered by exactly that many tool messages right after it, the last
+    message an assistant reply without tool calls. tool_names: the names a call may use (None: any). Returns the
+    messages with each call's arguments as a JSON object (what a template's `tojson` expects: a string would be
+    encoded twice). Raises ValueError naming the offending message index.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('"messages" must be a non-empty list')
+    out, pending, seen_user = [], 0, False  # pending: calls of the last assistant turn not yet answered
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message {i}: unknown role {role!r} (system, user, assistant or tool)")
+        calls = (m.get("tool_calls") or []) if role == "assistant" else []
+        if not isinstance(calls, list):
+            raise ValueError(f"message {i}: tool_calls must be a list")
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise ValueError(f"message {i}: {role} content must be a string")
+        if role == "tool" and not pending:
+            raise ValueError(f"message {i}: tool message without a preceding tool call")
+        if role != "tool" and pending:
+            raise ValueError(f"message {i}: {role} message while {pending} tool call(s) have no tool message")
+        if role == "assistant" and not seen_user:
+            raise ValueError(f"message {i}: assistant message before any user message")
+        seen_user |= role == "user"
+        pending = len(calls) if role == "assistant" else max(0, pending - 1)
+        fixed = []
+        for call in calls:
+            name, args = read_tool_call(call, i)
+            if tool_names is not None and name not in tool_names:
+                raise ValueError(f"message {i}: calls {name!r}, which is not in the conversation's tools")
+            fn = dict(call.get("function", call), arguments=args)
+            fixed.append(dict(call, function=fn) if "function" in call else fn)
+        out.append(dict(m, tool_calls=fixed) if calls else m)
+    if pending or messages[-1]["role"] != "assistant":
+        last = "unanswered tool calls" if pending else f"a {messages[-1]['role']} message"
+        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant reply "
+                         f"without tool calls, not {last}")
+    return out
+
+
 def conversation_segments(messages, tools=PYTHON_TOOLS):
     """
     Split a conversation into (text, mask) pieces in rollout order: the prompt (0), each assistant turn
     after its forced <reason> (1), each group of tool responses with the next forced prefix (0).
-    Messages: optional system, one user, then assistant (with optional tool_calls) / tool ... ending in an
-    assistant turn without tool calls. Raises ValueError naming the offending message index.
+    Messages: check_messages' rules, and the protocol's: an optional system message, one user question,
+    then assistant turns (contents starting with <reason>, calls in tool_calls) and their tool messages.
+    Raises ValueError naming the offending message index.
     """
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"message {i}: unknown role {m.get('role') if isinstance(m, dict) else m!r}")
-        if m["role"] != "assistant" and not isinstance(m.get("content"), str):
-            raise ValueError(f"message {i}: {m['role']} content must be a string")
-    i = 0
-    system = SYSTEM_PROMPT
-    if messages[0]["role"] == "system":
-        system, i = messages[0]["content"], 1
-    if i >= len(messages) or messages[i]["role"] != "user":
-        raise ValueError(f"message {i}: expected the user question")
-    segments = [(prompt_text(messages[i]["content"], system, tools), 0)]
-    i += 1
-    pending = 0  # tool calls of the last assistant turn still waiting for their tool messages
-    while i < len(messages):
-        m = messages[i]
-        if m["role"] == "assistant":
-            if pending:
-                raise ValueError(f"message {i}: assistant turn while {pending} tool call(s) have no tool message")
-            content = m.get("content")
-            if not isinstance(content, str) or not content.startswith("<reason>"):
-                raise ValueError(f"message {i}: assistant content must be a string starting with <reason>")
-            if "<tool_call>" in content:
-                raise ValueError(f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
-            text = content[len("<reason>"):]
-            calls = m.get("tool_calls") or []
-            for call in calls:
-                name, args = read_tool_call(call, i)
-                # same bytes as the template: {"name": "...", "arguments": <tojson>}
-                text += "\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
-            segments.append((text + END, 1))
-            pending = len(calls)
-            if not calls and i != len(messages) - 1:
-                raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant turn (no tool calls)")
-            i += 1
-        elif m["role"] == "tool":
-            if not pending:
-                raise ValueError(f"message {i}: tool message without a preceding tool call")
-            responses = []
-            while i < len(messages) and messages[i]["role"] == "tool":
-                responses.append(messages[i]["content"])
-                i += 1
-            if len(responses) != pending:
-                raise ValueError(f"message {i - 1}: {len(responses)} tool message(s) answer {pending} tool call(s)")
-            segments.append((tool_suffix_text(responses), 0))
-            pending = 0
-        else:
+    messages = check_messages(messages)
+    first = 1 if messages[0]["role"] == "system" else 0  # the user question's index
+    if messages[first]["role"] != "user":
+        raise ValueError(f"message {first}: expected the user question")
+    system = messages[0]["content"] if first else SYSTEM_PROMPT
+    segments, responses = [(prompt_text(messages[first]["content"], system, tools), 0)], []
+    for i, m in enumerate(messages[first + 1:], first + 1):
+        # a tool message: its response joins the others of its turn, all written once the last is in
+        if m["role"] == "tool":
+            responses.append(m["content"])
+            if messages[i + 1]["role"] != "tool":  # the last message is an assistant's: there is an i + 1
+                segments.append((tool_suffix_text(responses), 0))
+                responses = []
+            continue
+        if m["role"] != "assistant":
             raise ValueError(f"message {i}: unexpected {m['role']} message (only one leading system and one user)")
-    if len(segments) == 1 or pending or segments[-1][1] == 0:
-        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant turn without tool calls")
+        # an assistant turn: its text after the forced <reason>, then its calls as the template writes them
+        content = m["content"]
+        if not isinstance(content, str) or not content.startswith("<reason>"):
+            raise ValueError(f"message {i}: assistant content must be a string starting with <reason>")
+        if "<tool_call>" in content:
+            raise ValueError(f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
+        if not m.get("tool_calls") and i != len(messages) - 1:
+            raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant turn (no tool calls)")
+        text = content[len("<reason>"):]
+        for call in m.get("tool_calls") or []:
+            name, args = read_tool_call(call, i)
+            # same bytes as the template: {"name": "...", "arguments": <tojson>}
+            text += "\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+        segments.append((text + END, 1))
     return segments
 
 
 def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
     """(ids, mask) for SFT, built exactly like a rollout: mask is 1 on the tokens the policy would sample.
     tools: the table whose schemas the prompt lists (the default: the rStar2 task's Python tool)."""
+    return encode_segments(tokenizer, conversation_segments(messages, tools))
+
+
+def encode_segments(tokenizer, segments):
+    """(ids, mask) of (text, mask) pieces, each tokenized on its own, the way a rollout appends tokens."""
     ids, mask = [], []
-    for text, m in conversation_segments(messages, tools):
+    for text, m in segments:
         piece = tokenizer.encode(text, add_special_tokens=False)
         ids += piece
         mask += [m] * len(piece)

@@ -26,11 +26,9 @@ def compute_init(seed=0, timeout_s=1800):
     global _cpu_group
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
@@ -160,15 +158,21 @@ def full_value(tensor):
 # -----------------------------------------------------------------------------
 # token-balanced packing, shared by SFT and RL
 
+def _longest_first(lengths, max_tokens):
+    # the sequences' indices, longest first; one longer than max_tokens fits no bin: ValueError naming it
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if order and lengths[order[0]] > max_tokens:
+        raise ValueError(f"sequence {order[0]} has {lengths[order[0]]} tokens, "
+                         f"more than max_tokens_per_micro={max_tokens}")
+    return order
+
+
 def pack(lengths, max_tokens, world=1):
     """Split sequences into world × M bins of at most max_tokens tokens (M the same on every rank, so
     all ranks run the same number of forward/backward passes): longest first into the emptiest bin
     (a heap: O(n log n)). Every rank computes the same bins from the same lengths; bin j belongs to rank
     j % world. A sequence longer than max_tokens fits no bin: ValueError."""
-    if lengths and max(lengths) > max_tokens:
-        i = max(range(len(lengths)), key=lengths.__getitem__)
-        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro={max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    order = _longest_first(lengths, max_tokens)
     m = max(1, -(-sum(lengths) // (world * max_tokens)))
     while True:
         bins, heap = [[] for _ in range(world * m)], [(0, j) for j in range(world * m)]
@@ -187,10 +191,7 @@ def pack_sorted(lengths, max_tokens, world=1):
     w-1, .., 0, 0, 1, ..: each rank gets nearly the same tokens), then each rank's run cut into bins while
     count × longest stays <= max_tokens. Every rank gets M bins (empty ones where it has fewer: they still
     join the FSDP collectives). Bin j belongs to rank j % world, as in pack. Too long a sequence: ValueError."""
-    if lengths and max(lengths) > max_tokens:
-        i = max(range(len(lengths)), key=lengths.__getitem__)
-        raise ValueError(f"sequence {i} has {lengths[i]} tokens, more than max_tokens_per_micro={max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    order = _longest_first(lengths, max_tokens)
     # deal: in each round of `world` sequences, every other round runs backwards
     runs = [[] for _ in range(world)]
     for k, i in enumerate(order):

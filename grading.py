@@ -23,7 +23,6 @@ import logging
 import os
 import queue
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -74,28 +73,13 @@ def _too_big(s):
 def _talk(proc, data, timeout):
     # send data to a helper and read its one-line answer, all within timeout seconds and never blocking past
     # it (writes are non-blocking: a stopped helper leaves the pipe full); None if it is late or gone
-    end, out, poll = time.monotonic() + timeout, b"", select.poll()
-    poll.register(proc.stdout, select.POLLIN)
-    if data:
-        poll.register(proc.stdin, select.POLLOUT)
+    from sandbox import read_line, write_all  # here, not above: the helper itself (this file) never imports it
+    deadline = time.monotonic() + timeout
     try:
-        while not out.endswith(b"\n"):
-            events = poll.poll(max(0.0, end - time.monotonic()) * 1000)
-            if not events:
-                return None
-            for fd, _ in events:
-                if fd == proc.stdout.fileno():
-                    chunk = os.read(fd, 64)
-                    if not chunk:  # it died
-                        return None
-                    out += chunk
-                else:
-                    data = data[os.write(fd, data):]
-                    if not data:
-                        poll.unregister(fd)
-    except OSError:  # broken pipe: it died
+        write_all(proc.stdin.fileno(), data, deadline)
+        return read_line(proc.stdout.fileno(), bytearray(), deadline)
+    except OSError:  # a full pipe past the deadline (TimeoutError), or a broken one: it died
         return None
-    return out
 
 
 def _verify(gold, answer):
@@ -266,10 +250,10 @@ class Grader:
             self._count("failed")
             return 0.0
         line = _talk(proc, (json.dumps([gold, answer]) + "\n").encode(), self.timeout)
-        if line not in (b"1\n", b"0\n"):  # late, stopped or dead: replace it
+        if line not in (b"1", b"0"):  # late, stopped or dead: replace it
             self._count("timed_out")
             self._stop(threading.get_ident())
-        return float(line == b"1\n")
+        return float(line == b"1")
 
     def _helper(self):
         # the calling thread's helper, started if need be; None if it cannot be had
@@ -287,7 +271,7 @@ class Grader:
             [sys.executable, os.path.abspath(__file__), "--verify-server", str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
         os.set_blocking(proc.stdin.fileno(), False)
-        if _talk(proc, b"", self.start_timeout) == b"ready\n":  # the sympy import happens here
+        if _talk(proc, b"", self.start_timeout) == b"ready":  # the sympy import happens here
             return proc
         self._count("helper_start_failures")
         self._stop(me)

@@ -115,6 +115,7 @@ import ast
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -329,13 +330,11 @@ class SandboxPool:
                 break
             _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
-            try:
-                _write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
-                reply = _read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
+            with contextlib.suppress(OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
+                write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
+                reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            except (OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
-                pass
             if result is None:  # died, or no answer in time: answer the call, replace the worker
                 _stop(proc, kill=True)
                 procs[rich] = None
@@ -369,7 +368,7 @@ class SandboxPool:
         try:
             os.set_blocking(proc.stdin.fileno(), False)
             os.set_blocking(proc.stdout.fileno(), False)
-            hello = _read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
+            hello = read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
             if hello is not None and json.loads(hello).get("ready"):
                 proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
                 if cgroup:  # the cap: what the warm worker holds now, plus what one call may add
@@ -493,7 +492,9 @@ def _worker_env():
             "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
 
-def _write_all(fd, data, deadline):
+def write_all(fd, data, deadline):
+    """Write all of data to a non-blocking fd by `deadline` (time.monotonic()), else TimeoutError; never blocks
+    past it. With read_line, the pipe talk of the pool's workers and of grading.py's math-verify helpers."""
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
     view = memoryview(data)
@@ -501,14 +502,13 @@ def _write_all(fd, data, deadline):
         left = deadline - time.monotonic()
         if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError("worker did not read its request")
-        try:
+        with contextlib.suppress(BlockingIOError):
             view = view[os.write(fd, view):]
-        except BlockingIOError:
-            pass
 
 
-def _read_line(fd, buf, deadline):
-    """One line from a non-blocking fd, or None if it did not come before `deadline`. Raises on EOF."""
+def read_line(fd, buf, deadline):
+    """One line from an fd (without its "\\n"; `buf` keeps what came after it), or None if it did not come before
+    `deadline`. Raises BrokenPipeError on EOF."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     while (i := buf.find(b"\n")) < 0:
@@ -531,10 +531,8 @@ def _read_line(fd, buf, deadline):
 def _stop(proc, kill):
     if proc is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         proc.stdin.close()  # a worker exits on EOF; as pid 1 its exit ends its whole namespace
-    except OSError:
-        pass
     if not kill:
         try:
             proc.wait(timeout=5)

@@ -56,45 +56,13 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # the template marks
 
 def check_chat(messages, tools):
     """
-    Check a "chat" conversation; return its messages with tool-call arguments as JSON objects (what
-    templates expect: `tojson` of a string would encode it twice). Raises ValueError naming the message.
+    Check a "chat" conversation (agent.check_messages, its calls only to the functions in tools); return its
+    messages with tool-call arguments as JSON objects. Raises ValueError naming the message.
     """
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ValueError('"tools" must be a list of JSON schemas (objects)')
     names = {(t["function"] if isinstance(t.get("function"), dict) else t).get("name") for t in tools or []}
-    if not isinstance(messages, list) or not messages:
-        raise ValueError('"messages" must be a non-empty list')
-    out, pending, seen_user = [], 0, False  # pending: calls of the last assistant turn not yet answered
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"message {i}: unknown role {role!r} (system, user, assistant or tool)")
-        calls = (m.get("tool_calls") or []) if role == "assistant" else []
-        if not isinstance(calls, list):
-            raise ValueError(f"message {i}: tool_calls must be a list")
-        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            raise ValueError(f"message {i}: {role} content must be a string")
-        if role == "tool" and not pending:
-            raise ValueError(f"message {i}: tool message without a preceding tool call")
-        if role != "tool" and pending:
-            raise ValueError(f"message {i}: {role} message while {pending} tool call(s) have no tool message")
-        if role == "assistant" and not seen_user:
-            raise ValueError(f"message {i}: assistant message before any user message")
-        seen_user |= role == "user"
-        pending = len(calls) if role == "assistant" else max(0, pending - 1)
-        fixed = []
-        for call in calls:
-            name, args = agent.read_tool_call(call, i)
-            if name not in names:
-                raise ValueError(f"message {i}: calls {name!r}, which is not in the conversation's tools")
-            fn = dict(call.get("function", call), arguments=args)
-            fixed.append(dict(call, function=fn) if "function" in call else fn)
-        out.append(dict(m, tool_calls=fixed) if calls else m)
-    if pending or messages[-1]["role"] != "assistant":
-        last = "unanswered tool calls" if pending else f"a {messages[-1]['role']} message"
-        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant reply "
-                         f"without tool calls, not {last}")
-    return out
+    return agent.check_messages(messages, names)
 
 
 def render_chat(tokenizer, messages, tools=None):
@@ -131,12 +99,7 @@ def render_chat(tokenizer, messages, tools=None):
         pieces += [(full[pos:start], 0), (body, 1)]
         pos = start + len(body)
     pieces.append((full[pos:], 0))
-    ids, mask = [], []
-    for text, m in pieces:
-        piece = tokenizer.encode(text, add_special_tokens=False) if text else []
-        ids += piece
-        mask += [m] * len(piece)
-    return ids, mask
+    return agent.encode_segments(tokenizer, [(text, m) for text, m in pieces if text])
 
 
 def parse(line, fmt):
@@ -155,10 +118,7 @@ def parse(line, fmt):
             raise ValueError('"tools" must be a list of schemas {"type": "function", "function": {"name": ...}}')
         # the prompt's tool table: the schemas only (nothing runs in SFT)
         table = agent.PYTHON_TOOLS if tools is None else {t["function"]["name"]: agent.Tool(t, None) for t in tools}
-        try:
-            agent.conversation_segments(row["messages"], table)
-        except (TypeError, AttributeError) as e:
-            raise ValueError(f"malformed messages ({e})") from None
+        agent.conversation_segments(row["messages"], table)  # agent.check_messages' checks, then the protocol's
         return row["messages"], table
     return check_chat(row["messages"], row.get("tools")), row.get("tools")
 
