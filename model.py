@@ -191,10 +191,12 @@ def attend(q, k, v, att, layer_idx):
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
     kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # this layer's pool (see KVCache for its two layouts)
+    Hkv = k.shape[2]
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
-    # in pages the row does not hold, which belong to other rows)
-    for c, z in ((kc, k), (vc, v)):
-        new = z.reshape(B * T, *z.shape[2:])[att["real"]]  # (N, Hkv, hd)
+    # in pages the row does not hold, which belong to other rows). real is None when every token is (decoding)
+    news = [z.reshape(B * T, *z.shape[2:]) for z in (k, v)]
+    news = news if att["real"] is None else [z[att["real"]] for z in news]  # (N, Hkv, hd) each
+    for c, new in zip((kc, vc), news):
         if cache.flash:
             c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], new)
         else:
@@ -209,11 +211,10 @@ def attend(q, k, v, att, layer_idx):
     # of each kv head, whose query heads fold into the query axis
     if att["reuse"]:
         kg, vg = cache.kept[layer_idx]
-        for buf, z in ((kg, k), (vg, v)):
-            buf[:, att["where"][0], att["where"][1]] = z.reshape(B * T, *z.shape[2:])[att["real"]].transpose(0, 1)
+        for buf, new in zip((kg, vg), news):
+            buf.view(Hkv, -1, hd).index_copy_(1, att["where"], new.transpose(0, 1))
     else:
         kg, vg = cache.gather(layer_idx, att["table"])
-    Hkv = kg.shape[0]
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
     y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])  # mask (1, B, rep * T, keys)
     return y.transpose(0, 1).reshape(B, H, T, hd).transpose(1, 2)
@@ -390,7 +391,7 @@ class Qwen(nn.Module):
             rows = torch.arange(idx.start, idx.stop)
         else:
             rows = torch.as_tensor(rows, dtype=torch.long).cpu()
-            if rows.shape != (B,) or rows.unique().numel() != B:
+            if rows.shape != (B,) or len(set(rows.tolist())) != B:
                 raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
         n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
@@ -412,21 +413,22 @@ class Qwen(nn.Module):
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
-        att = dict(cache=cache, slots=slots.to(x.device), real=real.flatten().nonzero()[:, 0].to(x.device))
+        att = dict(cache=cache, slots=slots.to(x.device),
+                   real=None if real.all() else real.flatten().nonzero()[:, 0].to(x.device))
         if cache.flash:
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         else:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
-            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            # (one token per row, T = 1: the query heads share the one copy, broadcast)
+            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
             mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
             # the same rows as the last forward, each holding what it left them, read the keys that forward
             # gathered, plus their new ones (a decode step: usually); anything else gathers afresh
             after = (rows.tolist(), (lengths + n).tolist(), P)
             reuse, cache.last = cache.last == (after[0], lengths.tolist(), P), after
-            where = (torch.arange(B)[:, None].expand(B, T)[real], pos[real])  # (N,) row and position of each
-            att.update(table=table.to(x.device), mask=mask.to(x.device), reuse=reuse,
-                       where=tuple(z.to(x.device) for z in where))
+            where = (torch.arange(B)[:, None] * P * ps + pos)[real]  # (N,) each one's place in the kept gather
+            att.update(table=table.to(x.device), mask=mask.to(x.device), reuse=reuse, where=where.to(x.device))
         cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
