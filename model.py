@@ -190,12 +190,10 @@ def attend(q, k, v, att, layer_idx):
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # this layer's pool (see KVCache for its two layouts)
-    Hkv = k.shape[2]
+    kc, vc, Hkv = cache.k[layer_idx], cache.v[layer_idx], k.shape[2]  # this layer's pool (KVCache: its layouts)
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
-    # in pages the row does not hold, which belong to other rows). real is None when every token is (decoding)
-    news = [z.reshape(B * T, *z.shape[2:]) for z in (k, v)]
-    news = news if att["real"] is None else [z[att["real"]] for z in news]  # (N, Hkv, hd) each
+    # in pages the row does not hold, which belong to other rows); real selects them (all of them, decoding)
+    news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
     for c, new in zip((kc, vc), news):
         if cache.flash:
             c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], new)
@@ -207,9 +205,9 @@ def attend(q, k, v, att, layer_idx):
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
                                        causal=True)
     # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
-    # are masked), or the last forward's gather with the new tokens written in; the B rows become the batch
-    # of each kv head, whose query heads fold into the query axis
-    if att.get("fresh"):
+    # are masked), or kept from the last forward: its stale rows gathered again, the others' new tokens
+    # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
+    if att["fresh"]:  # prompts: causal attention over the new tokens alone, nothing read from the pages
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
     kg, vg = cache.gather(layer_idx, att["table"], att["stale"])
     if att["stale"] is not None:  # the kept rows take their new tokens (the stale ones got them from the pages)
@@ -402,16 +400,16 @@ class Qwen(nn.Module):
             raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
-        Lk, ps = int((lengths + T).max()), cache.page_size
-        P = -(-Lk // ps)
+        ps, P = cache.page_size, cache.pages(int((lengths + T).max()))
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
         att = dict(cache=cache, slots=slots.to(x.device),
-                   real=None if real.all() else real.flatten().nonzero()[:, 0].to(x.device))
+                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(x.device),
+                   fresh=not lengths.any())  # fresh: rows with nothing in the cache yet (prompts)
         if cache.flash:
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
-        elif lengths.any():
+        elif not att["fresh"]:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
             # (one token per row, T = 1: the query heads share the one copy, broadcast)
@@ -426,8 +424,6 @@ class Qwen(nn.Module):
             where = (torch.arange(B)[:, None] * P * ps + pos)[real]  # (N,) each one's place in the kept gather
             att.update(table=table.to(x.device), mask=mask.to(x.device), where=where.to(x.device),
                        stale=stale if stale is None else torch.tensor(stale, dtype=torch.long, device=x.device))
-        else:  # rows with nothing in the cache yet (prompts): causal attention over the new tokens alone
-            att.update(fresh=True)
         cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
@@ -539,8 +535,7 @@ class KVCache:
         second copy of the decoding rows' keys and values. (At batch 64 of bench.py's model, the gather this
         replaced, of the pages in flash-attn's layout into a fresh tensor, took ~1.7x as long as one gather
         here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
-        Hkv, _, ps, hd = self.k.shape[1:]
-        B, P = table.shape
+        (Hkv, _, ps, hd), (B, P) = self.k.shape[1:], table.shape
         if stale is not None:
             for pool, buf in zip((self.k[layer], self.v[layer]), self.kept[layer] if len(stale) else ()):
                 buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]  # (Hkv, stale rows, P, ps, hd)
@@ -548,12 +543,11 @@ class KVCache:
         n = Hkv * B * P * ps * hd
         if self.buffers[layer].numel() < 2 * n:
             self.buffers[layer] = self.k.new_empty(2 * n)
-        out = []
-        for pool, buf in ((self.k[layer], self.buffers[layer][:n]), (self.v[layer], self.buffers[layer][n:2 * n])):
-            torch.index_select(pool, 1, table.flatten(), out=buf.view(Hkv, B * P, ps, hd))
-            out.append(buf.view(Hkv, B, P * ps, hd))
-        self.kept[layer] = out
-        return out
+        bufs = self.buffers[layer][:2 * n].view(2, Hkv, B * P, ps, hd)  # keys, values
+        for pool, buf in zip((self.k[layer], self.v[layer]), bufs):
+            torch.index_select(pool, 1, table.flatten(), out=buf)
+        self.kept[layer] = [buf.view(Hkv, B, P * ps, hd) for buf in bufs]
+        return self.kept[layer]
 
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
