@@ -190,11 +190,11 @@ def attend(q, k, v, att, layer_idx):
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    kc, vc = cache.k[layer_idx], cache.v[layer_idx]  # this layer's pool (see KVCache for its two layouts)
+    kc, vc, Hkv = cache.k[layer_idx], cache.v[layer_idx], k.shape[2]  # this layer's pool (KVCache: its layouts)
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
-    # in pages the row does not hold, which belong to other rows)
-    for c, z in ((kc, k), (vc, v)):
-        new = z.reshape(B * T, *z.shape[2:])[att["real"]]  # (N, Hkv, hd)
+    # in pages the row does not hold, which belong to other rows); real selects them (all of them, decoding)
+    news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
+    for c, new in zip((kc, vc), news):
         if cache.flash:
             c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], new)
         else:
@@ -205,15 +205,14 @@ def attend(q, k, v, att, layer_idx):
         return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
                                        causal=True)
     # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
-    # are masked), or the last forward's gather with the new tokens written in; the B rows become the batch
-    # of each kv head, whose query heads fold into the query axis
-    if att["reuse"]:
-        kg, vg = cache.kept[layer_idx]
-        for buf, z in ((kg, k), (vg, v)):
-            buf[:, att["where"][0], att["where"][1]] = z.reshape(B * T, *z.shape[2:])[att["real"]].transpose(0, 1)
-    else:
-        kg, vg = cache.gather(layer_idx, att["table"])
-    Hkv = kg.shape[0]
+    # are masked), or kept from the last forward: its stale rows gathered again, the others' new tokens
+    # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
+    if att["fresh"]:  # prompts: causal attention over the new tokens alone, nothing read from the pages
+        return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
+    kg, vg = cache.gather(layer_idx, att["table"], att["stale"])
+    if att["stale"] is not None:  # the kept rows take their new tokens (the stale ones got them from the pages)
+        for buf, new in zip((kg, vg), news):
+            buf.view(Hkv, -1, hd).index_copy_(1, att["where"], new.transpose(0, 1))
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
     y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])  # mask (1, B, rep * T, keys)
     return y.transpose(0, 1).reshape(B, H, T, hd).transpose(1, 2)
@@ -383,15 +382,9 @@ class Qwen(nn.Module):
         memory); the pool is never written outside a row's own pages.
         """
         B, T = input_ids.shape
-        if isinstance(rows, slice):
-            idx = range(*rows.indices(cache.num_rows))
-            if len(idx) != B or rows.step not in (None, 1):
-                raise ValueError(f"rows {rows} select {len(idx)} rows (step {rows.step}); need {B} contiguous rows")
-            rows = torch.arange(idx.start, idx.stop)
-        else:
-            rows = torch.as_tensor(rows, dtype=torch.long).cpu()
-            if rows.shape != (B,) or rows.unique().numel() != B:
-                raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
+        rows = torch.arange(cache.num_rows)[rows] if isinstance(rows, slice) else torch.as_tensor(rows).long().cpu()
+        if rows.shape != (B,) or len(set(rows.tolist())) != B:
+            raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
         n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
         if n.shape != (B,) or not (1 <= n.min() and n.max() <= T):
@@ -407,26 +400,30 @@ class Qwen(nn.Module):
             raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
-        Lk, ps = int((lengths + T).max()), cache.page_size
-        P = -(-Lk // ps)
+        ps, P = cache.page_size, cache.pages(int((lengths + T).max()))
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
-        att = dict(cache=cache, slots=slots.to(x.device), real=real.flatten().nonzero()[:, 0].to(x.device))
+        att = dict(cache=cache, slots=slots.to(x.device),
+                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(x.device),
+                   fresh=not lengths.any())  # fresh: rows with nothing in the cache yet (prompts)
         if cache.flash:
             att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
-        else:
+        elif not att["fresh"]:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
-            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            # (one token per row, T = 1: the query heads share the one copy, broadcast)
+            rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
             mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
-            # the same rows as the last forward, each holding what it left them, read the keys that forward
-            # gathered, plus their new ones (a decode step: usually); anything else gathers afresh
-            after = (rows.tolist(), (lengths + n).tolist(), P)
-            reuse, cache.last = cache.last == (after[0], lengths.tolist(), P), after
-            where = (torch.arange(B)[:, None].expand(B, T)[real], pos[real])  # (N,) row and position of each
-            att.update(table=table.to(x.device), mask=mask.to(x.device), reuse=reuse,
-                       where=tuple(z.to(x.device) for z in where))
+            # the keys gathered by the last forward (that went through the kept gather) are kept: with as many
+            # rows and pages, a row in the same place holding what it left there reads them, plus its new ones (a
+            # decode step, usually); the other rows (stale) are gathered afresh, all of them when the shape changed
+            now, (last_P, last) = list(zip(rows.tolist(), lengths.tolist())), cache.last or (0, [])
+            stale = None if (last_P, len(last)) != (P, B) else [b for b in range(B) if last[b] != now[b]]
+            cache.last = (P, list(zip(rows.tolist(), (lengths + n).tolist())))
+            where = (torch.arange(B)[:, None] * P * ps + pos)[real]  # (N,) each one's place in the kept gather
+            att.update(table=table.to(x.device), mask=mask.to(x.device), where=where.to(x.device),
+                       stale=stale if stale is None else torch.tensor(stale, dtype=torch.long, device=x.device))
         cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
@@ -484,7 +481,7 @@ class KVCache:
         self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
         self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        # SDPA: each layer's gathered keys and values (`gather`), and the rows, lengths and pages they hold
+        # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, [(row, tokens) per place])
         self.kept, self.buffers, self.last = [None] * L, [self.k.new_empty(0) for _ in range(L)], None
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
@@ -517,7 +514,6 @@ class KVCache:
         token goes into that page)"""
         if self.npages[dst]:
             raise ValueError(f"share: row {dst} is not empty")
-        self.last = None  # the kept gather (SDPA) is not reused across a change of rows
         n = int(self.lengths[src])
         full = n // self.page_size
         for page in self.table[src, :full].tolist():
@@ -531,29 +527,32 @@ class KVCache:
                 pool.index_copy_(self.page_dim, b, pool.index_select(self.page_dim, a))
         self.lengths[dst] = n
 
-    def gather(self, layer, table):
+    def gather(self, layer, table, stale=None):
         """SDPA's keys and values of `layer` for the rows whose pages are table (B, P): (Hkv, B, P x page_size,
-        head_dim) each, contiguous, in the layer's buffer, kept (`kept`) for the next forward: while the same
-        rows decode, it only writes their new tokens in (model.attend), and gathers again when the rows
-        change or one needs a page more. The price: a second copy of the decoding rows' keys and values.
-        (At batch 64 of bench.py's model, the gather this replaced, of the pages in flash-attn's layout into
-        a fresh tensor, took ~1.7x as long as one gather here, and SDPA on the strided keys it gave ~3x as
-        long as on these.)"""
-        Hkv, _, ps, hd = self.k.shape[1:]
-        B, P = table.shape
+        head_dim) each, contiguous, in the layer's buffer, kept (`kept`) for the next forward: with as many rows
+        and pages, it gathers only its `stale` rows into it (model.forward_cached says which: those not in the
+        same place holding the same tokens) and writes the others' new tokens in (model.attend). The price: a
+        second copy of the decoding rows' keys and values. (At batch 64 of bench.py's model, the gather this
+        replaced, of the pages in flash-attn's layout into a fresh tensor, took ~1.7x as long as one gather
+        here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
+        (Hkv, _, ps, hd), (B, P) = self.k.shape[1:], table.shape
+        if stale is not None:
+            for pool, buf in zip((self.k[layer], self.v[layer]), self.kept[layer] if len(stale) else ()):
+                buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]  # (Hkv, stale rows, P, ps, hd)
+            return self.kept[layer]
         n = Hkv * B * P * ps * hd
         if self.buffers[layer].numel() < 2 * n:
             self.buffers[layer] = self.k.new_empty(2 * n)
-        out = []
-        for pool, buf in ((self.k[layer], self.buffers[layer][:n]), (self.v[layer], self.buffers[layer][n:2 * n])):
-            torch.index_select(pool, 1, table.flatten(), out=buf.view(Hkv, B * P, ps, hd))
-            out.append(buf.view(Hkv, B, P * ps, hd))
-        self.kept[layer] = out
-        return out
+        bufs = self.buffers[layer][:2 * n].view(2, Hkv, B * P, ps, hd)  # keys, values
+        for pool, buf in zip((self.k[layer], self.v[layer]), bufs):
+            torch.index_select(pool, 1, table.flatten(), out=buf)
+        self.kept[layer] = [buf.view(Hkv, B, P * ps, hd) for buf in bufs]
+        return self.kept[layer]
 
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
-        self.last = None
+        if self.last:  # the kept gather's copy of the row is stale from now on
+            self.last = (self.last[0], [(r, -1 if r == row else t) for r, t in self.last[1]])
         for page in self.table[row, :self.npages[row]].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:

@@ -332,8 +332,8 @@ def check_decoding(ours, page_size):
         # rows grow a page at a time, in turn, so their pages are scattered through the pool. Two steps in a
         # row over the same rows: the second reuses the first's gather of the keys (SDPA), unless it needs a
         # page more
-        gathers, gather = [], cache.gather
-        cache.gather = lambda *a: gathers.append(1) or gather(*a)
+        gathers, gather = [], cache.gather  # per layer and forward: the rows gathered afresh (None: all of them)
+        cache.gather = lambda *a: gathers.append(a[2]) or gather(*a)
         perm = torch.randperm(5, generator=g)
         for step in range(6):
             new = torch.randint(0, V, (5, 1), generator=g)
@@ -351,8 +351,22 @@ def check_decoding(ours, page_size):
                 out = forward_grown(ours, ext, cache, torch.tensor([2]))
                 seqs[2] = torch.cat([seqs[2], ext[0]])
                 logits[2] = torch.cat([logits[2], out[0]])
+        # a row released and refilled in place (a trajectory ends, the next prompt takes its row): the step
+        # after it gathers that row alone, the others read the keys kept from the step before
+        for refill in (False, True):
+            if refill:
+                cache.release(3)
+                seqs[3] = torch.randint(0, V, (2,), generator=g)
+                logits[3] = forward_grown(ours, seqs[3][None], cache, torch.tensor([3]))[0]
+            new = torch.randint(0, V, (5, 1), generator=g)
+            out = forward_grown(ours, new, cache, slice(0, 5))
+            for r in range(5):
+                seqs[r], logits[r] = torch.cat([seqs[r], new[r]]), torch.cat([logits[r], out[r]])
         assert cache.lengths.tolist() == [len(s) for s in seqs]
-        assert cache.flash or 0 < len(gathers) < 7 * ours.cfg.num_hidden_layers  # 7 forwards, some reused
+        L = ours.cfg.num_hidden_layers
+        assert cache.flash or [s.tolist() for s in gathers[-L:]] == [[3]] * L
+        # 8 forwards went through the kept gather: some gathered no row afresh
+        assert cache.flash or 0 < sum(s is None or len(s) > 0 for s in gathers) < 8 * L
         for r in range(5):
             ref = F.log_softmax(ours(seqs[r][None])[0], -1)
             assert (F.log_softmax(logits[r], -1) - ref).abs().max() < 1e-4, f"row {r}"
