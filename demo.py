@@ -184,7 +184,7 @@ def seed_study(n):
     ax.legend()
     fig.tight_layout()
     fig.savefig(f"{out}/seeds.png", dpi=100)
-    # what the table and the plot show, as numbers (tests/test_demo.py checks them against the runs' metrics)
+    # what the table and the plot show, as numbers (tests/test_train.py checks them against the runs' metrics)
     with open(f"{out}/seeds.json", "w") as f:
         json.dump({"rows": rows, "plotted": plotted}, f)
     print(f"plot: {out}/seeds.png")
