@@ -102,7 +102,6 @@ if recover:
     sh(f"{root}/tiny-sft/model.safetensors", "train_sft.py", "configs/tiny_sft.py", f"--seed={seed}",
        f"--model_path={base}/tiny-sft", f"--data_mix=[('{root}/data/sft.jsonl', 'rstar2', 1.0)]", "--epochs=1",
        "--lr=1e-3", f"--out_dir={root}/tiny-sft")
-before = evaluate(f"{root}/tiny-sft", "sft")
 
 
 def premise(eval_dir):
@@ -121,7 +120,8 @@ def premise(eval_dir):
                    sum(r["finish"] == "length" for r in rs) / max(1, len(rs))) for kind, rs in kinds.items()}
 
 
-if recover:
+if recover:  # the premise check reads the SFT model's held-out trajectories
+    evaluate(f"{root}/tiny-sft", "sft")
     lines = ["| after SFT | trajectories | right | cut by the budget |", "|---|---|---|---|"]
     lines += [f"| {kind} | {n} | {100 * right:.1f}% | {100 * cut:.1f}% |"
               for kind, (n, right, cut) in premise(f"{out}/eval_sft").items()]
@@ -193,6 +193,7 @@ def seed_study(n):
 if n_seeds:
     seed_study(n_seeds)
     sys.exit(0)
+before = evaluate(f"{root}/tiny-sft", "sft")
 runs = {"GRPO-RoC": (f"{root}/tiny-rl", [])}
 if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
     runs["GRPO"] = (f"{root}/tiny-grpo", ["--roc=false"])

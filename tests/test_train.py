@@ -254,6 +254,7 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
         assert row["acc"] == evaluated["avg@k"] and evaluated["samples"] == 2
         assert f"| 0 | {arm} | {row['first']:.4f} | {row['last']:.4f} | {row['acc']:.3f} |" in table
     assert "one seed: no intervals" in table and os.path.getsize(root / "demo" / "seeds.png") > 0
+    assert not (root / "demo" / "eval_sft").exists()  # the study needs no eval of the SFT model (--recover does)
     # a misspelt flag is named, not ignored
     out = run("demo.py", f"--out={root}", "--seed=0", "--compre", check=False)
     assert out.returncode != 0 and "'--compre'" in out.stderr
