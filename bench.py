@@ -93,9 +93,9 @@ import grading
 import model as modeling
 import rollout
 import sandbox
-from common import collate, read_metrics
+from common import read_metrics
 from grpo_roc import policy_loss
-from model import flash_attn_with_kvcache, load_model, token_logprobs
+from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
 from sandbox import Result, SandboxPool
 

@@ -210,25 +210,3 @@ def pack_sorted(lengths, max_tokens, world=1):
     m = max(1, max(map(len, per_rank)))
     return [per_rank[r][j] if j < len(per_rank[r]) else [] for j in range(m) for r in range(world)]
 
-
-def collate(seqs, device, packed):
-    """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
-    (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),
-    sequences told apart by segment ids 1, 2, ... (flash-attn's varlen kernel does no work across them).
-    packed=False: a right-padded (n, Lmax) batch with a 0/1 mask — cheaper for SDPA, whose attention over
-    one long packed row would cost O(N²). An empty bin becomes a single zero token (it still joins the
-    FSDP collectives)."""
-    if not seqs:
-        # RL's keys
-        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "engine_logprobs": [0.0], "traj_index": [0]}]
-    lengths = [len(s["ids"]) for s in seqs]
-    cols = {k: [np.asarray(s[k]) for s in seqs] for k in seqs[0]}
-    if packed:
-        out = {k: np.concatenate(v)[None] for k, v in cols.items()}
-        out["seg"] = np.repeat(np.arange(1, len(seqs) + 1), lengths)[None]
-    else:
-        width = max(lengths)
-        out = {k: np.stack([np.pad(x, (0, width - len(x))) for x in v]) for k, v in cols.items()}
-        out["seg"] = (np.arange(width)[None] < np.array(lengths)[:, None]).astype(np.int64)
-    return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
-            for k, v in out.items()}

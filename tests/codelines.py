@@ -43,7 +43,7 @@ READING_PATH = (
     "grpo_roc.py:filter_groups", "grpo_roc.py:penalty", "grpo_roc.py:resample_on_correct",
     "grpo_roc.py:advantages",
     # micro-batches, the loss and its gradient, the new weights handed to the engine
-    "train_rl.py:plan", "scheduler.py:exchange", "train_rl.py:micro_batch", "common.py:collate",
+    "train_rl.py:plan", "scheduler.py:exchange", "train_rl.py:micro_batch", "model.py:collate",
     "grpo_roc.py:loss_weights", "model.py:token_logprobs", "model.py:Qwen.forward", "model.py:chunk_logprobs",
     "grpo_roc.py:policy_loss", "train_rl.py:sync_policy",
 )

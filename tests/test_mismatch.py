@@ -10,8 +10,7 @@ import transformers
 
 import agent
 import data
-from common import collate
-from model import load_model, token_logprobs
+from model import collate, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
 
 QUESTIONS = ["What is 12 + 7?", "What is 123 * 98 - 5?", "What is 3 - 4 * 5 + 6?", "What is 8 * 8?"]

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import model as model_module
-from common import collate, pack, pack_sorted
+from common import pack, pack_sorted
 from grpo_roc import policy_loss
-from model import Config, KVCache, Qwen, load_model, save_model, token_logprobs
+from model import Config, KVCache, Qwen, collate, load_model, save_model, token_logprobs
 
 V = 101  # odd vocab on purpose
 

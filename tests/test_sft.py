@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 import agent
 import data
 import train_sft
-from common import collate, read_metrics
-from model import load_model, token_logprobs
+from common import read_metrics
+from model import collate, load_model, token_logprobs
 from sandbox import SandboxPool
 
 ROOT = Path(__file__).resolve().parent.parent
