@@ -82,6 +82,12 @@ def sh(done, *args):
     subprocess.run([sys.executable, *args], check=True)
 
 
+def moving_average(values, window=5):
+    """Each value averaged with up to window - 1 before it: single RL steps on 8 prompts are noisy."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
 def evaluate(model, name):
     name = name.replace(" ", "_").replace("+", "")  # a directory name: "bf16 engine + TIS" -> bf16_engine__TIS
     sh(f"{out}/eval_{name}/summary.json", "eval.py", "configs/tiny_eval.py", f"--model_path={model}",
@@ -171,9 +177,8 @@ def seed_study(n):
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = {}
     for i, arm in enumerate(arms):
-        w = 5  # the 5-step moving average of every seed, then mean and 95% band over the seeds
-        smooth = [[sum(c[max(0, j - w + 1):j + 1]) / len(c[max(0, j - w + 1):j + 1]) for j in range(len(c))]
-                  for c in (r["curve"] for r in rows[arm])]
+        # the 5-step moving average of every seed, then mean and 95% band over the seeds
+        smooth = [moving_average(r["curve"]) for r in rows[arm]]
         mean, half = zip(*(ci(col) for col in zip(*smooth)))
         plotted[arm] = {"mean": mean, "half": half}
         steps = range(1, len(mean) + 1)
@@ -214,9 +219,7 @@ for name, d in runs.items():
     m = read_metrics(d)
     s = [r["step"] for r in m]
     for ax, key in zip(axes[:4], ("rollout/reward", "tool/err_pos", "rollout/response_len", "mismatch/abs_mean")):
-        w = 5  # a short moving average: single RL steps on 8 prompts are noisy
-        y = [sum(r[key] for r in m[max(0, i - w + 1):i + 1]) / len(m[max(0, i - w + 1):i + 1]) for i in range(len(m))]
-        ax.plot(s, y, label=name)
+        ax.plot(s, moving_average([r[key] for r in m]), label=name)
 axes[0].set_title("training reward (5-step mean)")
 axes[1].set_title("tool error ratio in correct trajectories")
 axes[2].set_title("response length (tokens)")
