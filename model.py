@@ -83,24 +83,18 @@ class Config:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"{path}: rope scaling {rope} is not supported (plain rope only)")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(missing)} (the model's sizes have no default)")
+        # every field the file sets (null = unset: the default above), then the three whose fallback
+        # follows from other fields or from HF's own default rather than from this dataclass
+        fields = {k: d[k] for k in cls.__dataclass_fields__ if d.get(k) is not None}
         heads = d["num_attention_heads"]
-        return cls(
-            model_type=d["model_type"],
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            attention_bias=d.get("attention_bias", False),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-        )
+        fields.update(num_key_value_heads=d.get("num_key_value_heads") or heads,
+                      head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                      rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))))
+        return cls(**fields)
 
     def to_dict(self, dtype):
         """the config.json that transformers (4.x and 5.x) reads back"""
@@ -235,9 +229,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, att):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, Hkv, hd)
-        v = self.v_proj(x).view(B, T, -1, self.cfg.head_dim)  # (B, T, Hkv, hd)
+        # q (B, T, H, hd), k and v (B, T, Hkv, hd)
+        q, k, v = (proj(x).view(B, T, -1, self.cfg.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.model_type == "qwen3":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -516,13 +509,9 @@ class KVCache:
     def pages(self, tokens):
         return -(-tokens // self.page_size)
 
-    def pages_needed(self, row, tokens):
-        """free pages row must take to hold `tokens` tokens"""
-        return max(0, self.pages(tokens) - int(self.npages[row]))
-
     def grow(self, row, tokens):
         """give row enough pages for `tokens` tokens; an error when the pool has too few free pages"""
-        need = self.pages_needed(row, tokens)
+        need = max(0, self.pages(tokens) - int(self.npages[row]))  # the free pages it must take
         if tokens > self.max_len or need > len(self.free):
             raise RuntimeError(f"KV pool: row {row} needs {need} more pages for {tokens} tokens (max_len "
                                f"{self.max_len}), {len(self.free)} of {self.num_pages} are free")
@@ -590,9 +579,6 @@ class KVCache:
     def free_pages(self) -> int:
         return len(self.free)
 
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
 
 # -----------------------------------------------------------------------------
 # checkpoints: HF safetensors directories
@@ -611,9 +597,8 @@ def weight_files(path):
 def load_model(path, device="cpu", dtype=torch.float32):
     """a Qwen built on the meta device (no init wasted), materialised on `device` and filled from `path`.
     device="meta" returns it unmaterialised (for shard_model + load_weights)."""
-    cfg = Config.from_json(path)
     with torch.device("meta"):
-        model = Qwen(cfg).to(dtype)
+        model = Qwen(Config.from_json(path)).to(dtype)
     if torch.device(device).type != "meta":
         load_weights(model, path, device)
     return model

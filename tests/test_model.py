@@ -385,7 +385,7 @@ def check_decoding(ours, page_size):
         assert cache.free_pages() == cache.num_pages and not any(cache.refs)
         # k and v, 2 layers, 5 rows of ceil(24 / page_size) pages, fp32
         slots = 5 * cache.pages(24) * page_size
-        assert cache.nbytes() == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+        assert cache.k.nbytes + cache.v.nbytes == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
 
 
 def check_pages(ours, page_size):
@@ -414,7 +414,7 @@ def check_pages(ours, page_size):
             order = torch.randperm(4, generator=g)
             new = torch.randint(0, V, (4, 1), generator=g)
             # the pool is full, and no row needs a new page for these steps
-            assert not any(cache.pages_needed(r, int(cache.lengths[r]) + 1) for r in range(4))
+            assert all(cache.pages(int(cache.lengths[r]) + 1) <= cache.npages[r] for r in range(4))
             out = ours.forward_cached(new[order], cache, order)
             for b, r in enumerate(order.tolist()):
                 seqs[r] = torch.cat([seqs[r], new[r]])
@@ -512,6 +512,10 @@ def test_config_rejects_unsupported(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**base, **bad}))
         with pytest.raises(ValueError, match=msg):
             Config.from_json(str(tmp_path))
+    # a size the file leaves out is an error naming it, not the 14B default
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in base.items() if k != "vocab_size"}))
+    with pytest.raises(ValueError, match="config.json: no vocab_size"):
+        Config.from_json(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(base))
     assert Config.from_json(str(tmp_path)) == Config(**{k: base[k] for k in Config.__dataclass_fields__})
 
