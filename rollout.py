@@ -145,17 +145,15 @@ class Pager:
                              page_size)
         # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
         self.seq = itertools.count()
-        # True from a preemption until a row finishes: no admissions meanwhile, since a row admitted
-        # then could only push out the row just preempted
-        self.hold = False
 
     def start(self, budget):
         """A run begins: every page free, no hold, and the claim size for this budget."""
         # a run that ended in an exception may have left pages behind
         for slot in range(self.num_rows):
             self.cache.release(slot)
-        self.hold = False
-        self.budget = budget
+        # hold: True from a preemption until a row finishes: no admissions meanwhile, since a row admitted
+        # then could only push out the row just preempted
+        self.hold, self.budget = False, budget
         # auto: the response shares of this run's finished rows, summed, and how many they are
         self.used, self.ended = 0.0, 0
 
@@ -198,13 +196,10 @@ class Pager:
         """Waiting rows, oldest first, enter the KV while the headroom covers their promise (or nothing
         else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the other
         samples of that prompt then share."""
-        if not waiting:
-            return []
-        room, share = self.headroom(rows), self.share(rows)
         running = any(self.cache.holds(r.slot) for r in rows.values())
-        if self.hold and running:
+        if not waiting or (self.hold and running):
             return []
-        todo = []
+        room, share, todo = self.headroom(rows), self.share(rows), []
         for row in sorted(waiting, key=lambda r: r.seq):
             # another sample of the prompt just admitted: it shares that prefill and needs only its growth
             fresh = not row.traj.response_ids
@@ -476,13 +471,10 @@ class Engine:
         """Parse the finished turn: no tool call ends the trajectory (so does the turn limit); else the
         row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
         t = row.traj
-        # plain completions (generate, use_tools=False): a turn is the whole answer
-        if tools is None:
-            t.finish = "stop"
-            return
-        # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does
-        calls = agent.parse_tool_calls(self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls,
-                                       self.tool_table)
+        # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
+        # Plain completions (generate, use_tools=False) parse none: a turn is the whole answer
+        turn_text = self.tok.decode(t.response_ids[row.turn_start:])
+        calls = [] if tools is None else agent.parse_tool_calls(turn_text, self.max_calls, self.tool_table)
         if not calls:
             t.finish = "stop"
         elif t.turns >= self.max_turns:
@@ -547,12 +539,6 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
 
 def iter_claim(reqs):
     """A claim function over a local sequence of requests (single process), taken in order; a sequence that
-    makes its items when sliced (scheduler.Lazy) makes each only when claimed."""
-    taken = 0
-
-    def claim(n):
-        nonlocal taken
-        out = reqs[taken:taken + n]
-        taken += len(out)
-        return out
-    return claim
+    makes its items on demand (scheduler.Lazy) makes each only when claimed."""
+    remaining = iter(reqs)  # a sequence iterates by index: scheduler.Lazy makes item i when it is reached
+    return lambda n: list(itertools.islice(remaining, n))
