@@ -309,6 +309,9 @@ class Qwen(nn.Module):
     def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False, where=None):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
         B, T = input_ids.shape
+        for name, z in (("attention_mask", attention_mask), ("targets", targets), ("where", where)):
+            if z is not None and z.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
         x = self.model.embed_tokens(input_ids)  # (B, T, D)
         t = torch.arange(T, device=x.device)
         flash = use_flash(x.device, x.dtype)
@@ -316,15 +319,12 @@ class Qwen(nn.Module):
             positions, att = t.expand(B, T), dict(flash=False, mask=None)
         else:
             m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            if m.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(m.shape)} != input_ids shape {tuple(input_ids.shape)}")
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
             start = torch.ones_like(m, dtype=torch.bool)  # (B, T) True where a segment begins
             start[:, 1:] = m[:, 1:] != m[:, :-1]
             positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values  # (B, T) restart per segment
             if flash:
-                keep = m.reshape(-1) != 0
-                idx = keep.nonzero().squeeze(1)  # (N,) flat indices of real tokens
+                idx = (m.reshape(-1) != 0).nonzero().squeeze(1)  # (N,) flat indices of real tokens
                 seg_starts = start.reshape(-1)[idx].nonzero().squeeze(1)  # where each segment begins among them
                 cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()  # (S + 1,) cumulative lengths
                 att = dict(flash=True, varlen=(idx, cu, int((cu[1:] - cu[:-1]).max())))
@@ -457,11 +457,8 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
     where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
     matmul of a small model, then runs on the sampled tokens alone); 0 elsewhere, with no gradient.
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
-    Goes through model(...) so FSDP's hooks gather the head weights as for any forward.
+    Goes through model(...) so FSDP's hooks gather the head weights as for any forward (which checks the shapes).
     """
-    for name, z in (("targets", targets), ("where", where)):
-        if z is not None and z.shape != input_ids.shape:
-            raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
     return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy,
                  where=where)
 

@@ -141,8 +141,7 @@ class Pager:
         least = 1e-6 if self.auto else max(reserve, 1e-6)
         self.num_rows = max_rows or min(num_pages, int(kv_capacity / (least * max_len)))
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
-        self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype, num_pages,
-                             page_size)
+        self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype, num_pages, page_size)
         # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
         self.seq = itertools.count()
 
@@ -409,11 +408,10 @@ class Engine:
         self.stats["prefill_tokens"] += sum(n)
         for it, lg in zip(group, logits):
             for row in [it.row] + it.copies:
-                # a re-admitted row's dropped tokens are now recomputed
+                # a re-admitted row's dropped tokens are now recomputed; every row of a prefill decodes next
+                # (an admitted row was waiting, a resumed one decodes already; a preempted row's Feed dropped out)
                 self.stats["recomputed_tokens"] += row.dropped
-                row.dropped, row.pending, row.logits = 0, [], lg.clone()
-                if row.state == WAITING:
-                    row.state = DECODE
+                row.dropped, row.pending, row.logits, row.state = 0, [], lg.clone(), DECODE
                 if row is not it.row:  # shared prefill: the samples hold the prompt's pages by reference
                     self.cache.share(it.row.slot, row.slot)
 
@@ -529,8 +527,8 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
     if kv_capacity:
         rows = kv_capacity // max_len
     elif p.is_cuda:  # K and V for every layer, in the model's dtype
-        c = model.cfg
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * p.element_size()
+        cfg = model.cfg
+        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
         rows = int(fraction * torch.cuda.mem_get_info(p.device)[0]) // (per_token * max_len)
     else:
         rows = 256

@@ -157,6 +157,8 @@ def test_token_logprobs_values_entropy_and_grad(pair):
         token_logprobs(ours, ids, targets[:, :-1])
     with pytest.raises(ValueError, match="where shape"):
         token_logprobs(ours, ids, targets, where=where[:, :-1])
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        ours(ids, mask[:, :-1])
 
 
 def test_update_at_loss_positions_from_sorted_micro_batches_matches_the_full_path(pair):
