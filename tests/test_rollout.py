@@ -387,3 +387,12 @@ def test_auto_reserve_follows_what_the_runs_rows_used(tiny):
         assert [e[1:] for e in auto.events[len(first):]] == first  # same admissions, same batches
     with pytest.raises(ValueError, match="auto"):
         Engine(model, tok, kv_capacity=512, max_len=128, reserve="adaptive")
+
+
+def test_iter_claim_takes_requests_in_order_and_makes_each_only_when_claimed():
+    from scheduler import Lazy
+    made = []
+    claim = iter_claim(Lazy(5, lambda i: made.append(i) or i))
+    assert claim(2) == [0, 1] and made == [0, 1]  # nothing made ahead of its claim
+    assert claim(2) == [2, 3] and claim(2) == [4] and claim(2) == [] and made == [0, 1, 2, 3, 4]
+    assert iter_claim([7, 8])(0) == []
