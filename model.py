@@ -333,11 +333,10 @@ class Qwen(nn.Module):
                 causal = t[:, None] >= t[None, :]  # (T, T)
                 att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)  # (B, T, T)
         cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
+        # activation checkpointing: only a backward needs the recompute (not eval, nor a no_grad forward)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, att, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, att)
+            x = checkpoint(layer, x, cos, sin, att, use_reentrant=False) if recompute else layer(x, cos, sin, att)
         x = self.model.norm(x)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
@@ -424,8 +423,7 @@ class Qwen(nn.Module):
         if last_only:
             x = x[torch.arange(B), n - 1][:, None]  # (B, 1, D): each row's last real token
         cache.lengths[rows] += n
-        x = self.model.norm(x)
-        return F.linear(x, self.head_weight())  # (B, T or 1, V)
+        return F.linear(self.model.norm(x), self.head_weight())  # (B, T or 1, V)
 
 
 def collate(seqs, device, packed):
