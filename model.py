@@ -86,7 +86,7 @@ class Config:
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in d]
         if missing:
-            raise ValueError(f"{path}: no {', '.join(missing)} (the model's sizes have no default)")
+            raise ValueError(f"{path}: no {', '.join(missing)} (the sizes must be stated: no 14B default)")
         # every field the file sets (null = unset: the default above), then the three whose fallback
         # follows from other fields or from HF's own default rather than from this dataclass
         fields = {k: d[k] for k in cls.__dataclass_fields__ if d.get(k) is not None}
