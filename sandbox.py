@@ -310,11 +310,10 @@ class SandboxPool:
                 _stop(proc, kill=True)
             return
         while True:
-            try:  # replace a worker that died (idle, or in the last call) before taking a call
+            try:  # replace a worker that died or was stopped (idle, or in the last call) before taking a call
                 for rich, proc in procs.items():
                     if proc is None or proc.poll() is not None:
-                        _stop(proc, kill=True)
-                        procs[rich] = None
+                        _stop(proc, kill=True)  # (a no-op on one stopped already)
                         procs[rich] = self._spawn(slot, rich)
             except Exception:
                 # could not restart: back off; queued calls go to other slots, or, when none can take them, are
@@ -335,9 +334,8 @@ class SandboxPool:
                 reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            if result is None:  # died, or no answer in time: answer the call, replace the worker
+            if result is None:  # died, or no answer in time: answer the call, stop the worker (replaced above)
                 _stop(proc, kill=True)
-                procs[rich] = None
                 result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
                                 time.monotonic() - start)
             future.set_result(result)
