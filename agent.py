@@ -170,10 +170,6 @@ class Tool:
     schema: dict
     run: object
 
-    @property
-    def name(self):
-        return self.schema["function"]["name"]
-
 
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
 OUTPUT_CAP = 1000  # chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
