@@ -528,7 +528,7 @@ def extract_answer(text):
     begin, depth = start + len("\\boxed{"), 1
     # the braces after it, left to right, until the one that closes it; a backslash and the character after it
     # are skipped as one (\{ and \} are literal braces, not grouping)
-    for token in re.finditer(r"\\.|[{}]", block[begin:], re.DOTALL):
+    for token in re.finditer(r"\\.|[{}]", block[begin:]):
         depth += (token[0] == "{") - (token[0] == "}")
         if depth == 0:
             return block[begin:begin + token.start()].strip()
