@@ -94,6 +94,7 @@ Where we cannot be identical (the release's text depends on things we do not hav
 """
 
 import json
+import re
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -115,26 +116,18 @@ TOOL_SCHEMA = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": (
-            "Execute Python code with standard input and capture standard output. This function takes a "
-            "Python code string and an input string, provides the input string through standard input "
-            "(stdin) to the code, and captures and returns any output produced through standard output "
-            "(stdout). If the executed code raises an exception, the error message will be captured and "
-            "returned instead."
-        ),
+        "description": "Execute Python code with standard input and capture standard output. This function takes a "
+                       "Python code string and an input string, provides the input string through standard input "
+                       "(stdin) to the code, and captures and returns any output produced through standard output "
+                       "(stdout). If the executed code raises an exception, the error message will be captured and "
+                       "returned instead.",
         "parameters": {
             "type": "object",
-            "properties": {
-                "code": {
-                    "type": "string",
-                    "description": "A string containing Python code to be executed. The code can read from "
-                    "standard input using the input() function.",
-                },
-                "input": {
-                    "type": "string",
-                    "description": "A string that will be provided as standard input to the code when it "
-                    "calls input().",
-                },
+            "properties": {  # key order matters: the prompt lists them as json.dumps writes this dict
+                "code": {"type": "string", "description": "A string containing Python code to be executed. The code "
+                         "can read from standard input using the input() function."},
+                "input": {"type": "string", "description": "A string that will be provided as standard input to the "
+                          "code when it calls input()."},
             },
             "required": ["code", "input"],
         },
@@ -176,10 +169,6 @@ class Tool:
     the work and return, never wait on it."""
     schema: dict
     run: object
-
-    @property
-    def name(self):
-        return self.schema["function"]["name"]
 
 
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
@@ -536,17 +525,13 @@ def extract_answer(text):
     start = block.rfind("\\boxed{")
     if start < 0:
         return None
-    depth, j = 1, start + len("\\boxed{")
-    begin = j
-    while j < len(block):
-        c = block[j]
-        if c == "\\":  # \{ and \} are literal braces, not grouping
-            j += 2
-            continue
-        depth += (c == "{") - (c == "}")
+    begin, depth = start + len("\\boxed{"), 1
+    # the braces after it, left to right, until the one that closes it; a backslash and the character after it
+    # are skipped as one (\{ and \} are literal braces, not grouping)
+    for token in re.finditer(r"\\.|[{}]", block[begin:]):
+        depth += (token[0] == "{") - (token[0] == "}")
         if depth == 0:
-            return block[begin:j].strip()
-        j += 1
+            return block[begin:begin + token.start()].strip()
     return None  # unbalanced
 
 

@@ -14,6 +14,9 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from common import barrier
 from model import load_model, load_weights, save_model, shard_model
@@ -59,8 +62,6 @@ def load_trainable(path, device, dtype, activation_checkpointing=False):
     if dist.is_initialized():
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
     if os.path.isdir(os.path.join(path, "state")):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
         model.to_empty(device=device)
         sd = {"model": get_model_state_dict(model)}
         dcp.load(sd, checkpoint_id=os.path.join(path, "state"))
@@ -74,8 +75,6 @@ def load_trainable(path, device, dtype, activation_checkpointing=False):
 def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):
     """Write the checkpoint `path` (layout above), with HF weights in hf_dtype unless it is None; then keep
     the newest `keep` complete checkpoints of its run (0: all), and every one with HF weights."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     rank0, tmp = int(os.environ.get("RANK", 0)) == 0, path + ".tmp"
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
@@ -106,8 +105,6 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
 def load_trainer_state(path, model, optimizer):
     """Restore the optimizer shards and RNG of a checkpoint written by save_checkpoint; returns its state
     dict (step, cursor, ...). The weights are load_trainable's."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(osd, checkpoint_id=os.path.join(path, "state"))
     set_optimizer_state_dict(model, optimizer, osd["optimizer"])

@@ -89,29 +89,29 @@ def configure(g, argv=None):
             print(f"  --{k}={v!r}  ({type(v).__name__})" + (f"  {comments[k]}" if k in comments else ""))
         sys.exit(0)
     for arg in argv:
+        # what the argument assigns: an override its one key, a config file the plain values it leaves behind
         if arg.startswith("--"):
             if "=" not in arg:
                 fail(f"'{arg}' must look like --key=value")
             key, text = arg[2:].split("=", 1)
-            g[key] = check(key, parse_value(text), defaults, "command line")
-            if verbose:
-                print(f"override: {key} = {g[key]!r}")
+            where, label, assigned = "command line", "override", {key: parse_value(text)}
         else:
             if not os.path.isfile(arg):
                 fail(f"config file '{arg}' not found")
-            src = open(arg).read()
             scope = {}
             try:
-                exec(compile(src, arg, "exec"), scope)
+                exec(compile(open(arg).read(), arg, "exec"), scope)
             except SyntaxError as e:
                 fail(f"{arg}:{e.lineno}: {e.msg}")
             except Exception as e:  # a config that raises while running, e.g. a NameError
                 line = sys.exc_info()[2].tb_next.tb_lineno if sys.exc_info()[2].tb_next else "?"
                 fail(f"{arg}:{line}: {type(e).__name__}: {e}")
-            for key, value in scope.items():
-                if key.startswith("_") or not isinstance(value, SIMPLE):
-                    continue
-                g[key] = check(key, value, defaults, arg)
-                if verbose:
-                    print(f"{arg}: {key} = {g[key]!r}")
+            where = label = arg
+            assigned = {key: value for key, value in scope.items()
+                        if not key.startswith("_") and isinstance(value, SIMPLE)}
+        # each one checked against its default (an unknown key or a wrong type exits, naming it), then echoed
+        for key, value in assigned.items():
+            g[key] = check(key, value, defaults, where)
+            if verbose:
+                print(f"{label}: {key} = {g[key]!r}")
     return {k: g[k] for k in defaults}

@@ -18,6 +18,7 @@ that raises or returns a reward outside [0, 1] is scored 0 (failed); see Grader.
 Nothing here knows the protocol's text beyond agent.py's answer reading; nothing here imports a model.
 """
 import concurrent.futures
+import itertools
 import json
 import logging
 import os
@@ -60,14 +61,9 @@ def _plain_int(s):
 
 
 def _too_big(s):
-    if len(s) > MAX_ANSWER_CHARS:
-        return True
-    depth = 0
-    for c in s:
-        depth += (c in "([{") - (c in ")]}")
-        if depth > MAX_DEPTH:
-            return True
-    return False
+    # longer than MAX_ANSWER_CHARS, or nested deeper than MAX_DEPTH at some point (the running bracket depth)
+    depths = itertools.accumulate((c in "([{") - (c in ")]}") for c in s)
+    return len(s) > MAX_ANSWER_CHARS or max(depths, default=0) > MAX_DEPTH
 
 
 def _talk(proc, data, timeout):
@@ -331,18 +327,15 @@ def load_task(name):
     """A task: a Python file ("tasks/math.py", relative to the checkout when not found from here) or an
     importable module name ("tasks.math"). See tasks/math.py for what a task defines."""
     import importlib.util
-    if not name.endswith(".py"):
-        return _checked(importlib.import_module(name), name)
-    path = name if os.path.isfile(name) else os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"task file {name!r} not found")
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return _checked(module, name)
-
-
-def _checked(task, name):
+    if name.endswith(".py"):
+        path = name if os.path.isfile(name) else os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"task file {name!r} not found")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        task = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(task)
+    else:
+        task = importlib.import_module(name)
     missing = [key for key in ("COLUMNS", "TOOLS", "prompt", "answer", "grade") if not hasattr(task, key)]
     if missing:
         raise ValueError(f"task {name!r} does not define {', '.join(missing)} (tasks/math.py shows what a task defines)")

@@ -119,6 +119,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import pwd
 import select
 import shutil
@@ -256,10 +257,9 @@ class SandboxPool:
     def submit(self, code, stdin="", timeout=None):
         """Start a call without waiting: returns a concurrent.futures.Future of its Result (for callers
         with no event loop, like the rollout engine). Cancelling it skips the call if it has not started."""
-        if not isinstance(code, str):
-            raise TypeError(f"SandboxPool.run: code must be str, got {type(code).__name__}")
-        if not isinstance(stdin, str):
-            raise TypeError(f"SandboxPool.run: stdin must be str, got {type(stdin).__name__}")
+        for name, value in (("code", code), ("stdin", stdin)):
+            if not isinstance(value, str):
+                raise TypeError(f"SandboxPool.run: {name} must be str, got {type(value).__name__}")
         timeout = self.timeout if timeout is None else float(timeout)
         if not timeout > 0:
             raise ValueError(f"SandboxPool.run: timeout must be > 0 seconds, got {timeout!r}")
@@ -310,11 +310,10 @@ class SandboxPool:
                 _stop(proc, kill=True)
             return
         while True:
-            try:  # replace a worker that died (idle, or in the last call) before taking a call
+            try:  # replace a worker that died or was stopped (idle, or in the last call) before taking a call
                 for rich, proc in procs.items():
                     if proc is None or proc.poll() is not None:
-                        _stop(proc, kill=True)
-                        procs[rich] = None
+                        _stop(proc, kill=True)  # (a no-op on one stopped already)
                         procs[rich] = self._spawn(slot, rich)
             except Exception:
                 # could not restart: back off; queued calls go to other slots, or, when none can take them, are
@@ -335,9 +334,8 @@ class SandboxPool:
                 reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            if result is None:  # died, or no answer in time: answer the call, replace the worker
+            if result is None:  # died, or no answer in time: answer the call, stop the worker (replaced above)
                 _stop(proc, kill=True)
-                procs[rich] = None
                 result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
                                 time.monotonic() - start)
             future.set_result(result)
@@ -372,12 +370,10 @@ class SandboxPool:
             if hello is not None and json.loads(hello).get("ready"):
                 proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
                 if cgroup:  # the cap: what the warm worker holds now, plus what one call may add
-                    with open(os.path.join(cgroup[0], "memory.usage_in_bytes")) as f:
-                        cap = int(f.read()) + self.memory + CGROUP_SLACK
+                    cap = int(pathlib.Path(cgroup[0], "memory.usage_in_bytes").read_text()) + self.memory + CGROUP_SLACK
                     for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
                         if os.path.exists(os.path.join(cgroup[0], name)):
-                            with open(os.path.join(cgroup[0], name), "w") as f:
-                                f.write(str(cap))
+                            pathlib.Path(cgroup[0], name).write_text(str(cap))
                 return proc
         except Exception:  # it died (a closed pipe), or its cgroup could not be capped: no half-started worker
             _stop(proc, kill=True)
@@ -399,8 +395,7 @@ class SandboxPool:
             for d in dirs:
                 os.mkdir(d)
                 self._cgroups.append(d)
-            with open(os.path.join(dirs[1], "pids.max"), "w") as f:
-                f.write(str(sandbox_worker.NPROC + 3))  # + bwrap, the worker and the call's init
+            pathlib.Path(dirs[1], "pids.max").write_text(str(sandbox_worker.NPROC + 3))  # + bwrap, the worker, its init
         except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
             return None
         return dirs
@@ -409,7 +404,7 @@ class SandboxPool:
 def _claim_uids(workers):
     """A block of UID_BLOCK uids for this pool's slots, no other pool on the node holds (each holds an abstract
     unix socket named after its block while it lives) and no host account or process uses: (the socket, first uid)."""
-    in_use = set()
+    in_use = {account.pw_uid for account in pwd.getpwall()}  # the host's accounts, then its processes' uids
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/status") as f:
@@ -424,17 +419,10 @@ def _claim_uids(workers):
         except OSError:  # another pool holds it
             lock.close()
             continue
-        if not any(uid in in_use or _has_account(uid) for uid in range(first, first + workers)):
+        if not any(uid in in_use for uid in range(first, first + workers)):
             return lock, first
         lock.close()
     raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
-
-
-def _has_account(uid):
-    try:
-        return bool(pwd.getpwuid(uid))
-    except KeyError:
-        return False
 
 
 def _needs_rich(code):
@@ -468,7 +456,8 @@ def _wrapper(mode, view):
     ns += ["--cap-drop", "ALL"] + [arg for cap in caps for arg in ("--cap-add", cap)]
     # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
     names = [op[-1] for op in view if op[0] in ("bind", "dev")]
-    dirs = {d for op in view for d in _parents(op[-1]) if not any(d.startswith(n + "/") for n in names)}
+    parents = {str(d) for op in view for d in pathlib.PurePath(op[-1]).parents[:-1]}  # all but "/"
+    dirs = {d for d in parents if not any(d.startswith(n + "/") for n in names)}
     args = [arg for d in sorted(dirs - set(names)) for arg in ("--dir", d)]
     mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "symlink": "--symlink"}
     args += [arg for op in view for arg in ([mounts[op[0]], *op[1:]] if op[0] in mounts else ["--tmpfs", op[1]])]
@@ -476,13 +465,6 @@ def _wrapper(mode, view):
     return ["bwrap", *ns, "--new-session", "--die-with-parent", "--as-pid-1", "--proc", "/proc",
             "--tmpfs", "/tmp", *args, "--dir", sandbox_worker.CALL_DIR, *ro, "--remount-ro", "/tmp",
             "--remount-ro", "/", "--chdir", "/", "--"]
-
-
-def _parents(path):
-    out = []
-    while (path := os.path.dirname(path)) != "/":
-        out.append(path)
-    return out
 
 
 def _worker_env():

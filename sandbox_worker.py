@@ -355,14 +355,16 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
-        # 2) its own namespaces and uid, no capabilities
+        # 2) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), then
+        # with bwrap its own namespaces, with no capabilities
         uid = cfg["uid"]
+        if uid is not None:
+            if os.geteuid() == 0:  # the slot's uid first: a user namespace's maps may name only the uid that makes it
+                os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
         if cfg["mode"] != "none":
             _own_namespaces(libc, uid)
-        elif uid is not None:  # isolation "none" as root: the slot's uid all the same
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
@@ -398,30 +400,23 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame on
         signal.setitimer(signal.ITIMER_REAL, 0)
         for f in flush:
-            try:
+            with contextlib.suppress(BaseException):
                 f.flush()
-            except BaseException:
-                pass
         msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
         while msg:
             msg = msg[os.write(3, msg):]
     except BaseException:
-        try:
+        with contextlib.suppress(BaseException):
             os.write(2, traceback.format_exc().encode())
-        except BaseException:
-            pass
     finally:
         os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
 
 
 def _own_namespaces(libc, uid):
-    """A user namespace and an IPC namespace of the call's own, as `uid`, with no capabilities. The kernel keeps a
-    user keyring per uid per user namespace, so the call's is new; the IPC namespace holds no SysV object or
-    POSIX message queue of anyone else and takes the call's with it; a new session keyring replaces the worker's."""
-    if os.geteuid() == 0:  # the slot's uid first: the namespace's maps may name only the uid that makes it
-        os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
+    """A user namespace and an IPC namespace of the call's own, as `uid` (the process runs as it already), with no
+    capabilities. The kernel keeps a user keyring per uid per user namespace, so the call's is new; the IPC
+    namespace holds no SysV object or POSIX message queue of anyone else and takes the call's with it; a new
+    session keyring replaces the worker's."""
     libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
     with open("/proc/self/oom_score_adj", "w") as f:  # first in line when the cgroup runs out, never the worker
         f.write("1000")
@@ -492,13 +487,8 @@ def _release_words(e, code, offset=0):
     (which may be a library's, or a function's defined elsewhere), plus `offset`; when line N is not a
     line of `code` (a trailing expression's error after other code, a library's line 900): "ErrType:
     message"."""
-    if hasattr(e, "lineno"):
-        n = e.lineno
-    else:
-        tb = e.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        n = -1 if tb is None else tb.tb_lineno
+    frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]  # outermost frame first
+    n = e.lineno if hasattr(e, "lineno") else (frame_lines[-1] if frame_lines else -1)
     name, lines = type(e).__name__, code.splitlines()
     if isinstance(n, int) and n != -1 and 0 <= n + offset - 1 < len(lines):
         return f"{name} at line {n + offset}: {e}\n  {lines[n + offset - 1]}"
@@ -585,11 +575,8 @@ def view(dists=RICH_DISTS):
         lib = line.split("=>")[-1].split("(")[0].strip()
         if line.startswith("\t") and lib.startswith("/"):
             need(lib)
-    for p in ETC:
-        os.path.exists(p) and need(p)
-    for p in DEVICES:
-        need(p)
-    need(os.path.realpath(__file__))
+    for path in [*filter(os.path.exists, ETC), *DEVICES, os.path.realpath(__file__)]:  # ETC: where the host has them
+        need(path)
     if missing:
         raise RuntimeError("sandbox: refusing to start: the tool's view lacks " + ", ".join(missing))
     # the ops: a name inside a bound directory is already there (unless it is under a mask)
