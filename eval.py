@@ -108,20 +108,20 @@ def metrics(groups):
     if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
         raise ValueError(f"need the same non-zero number of samples for every problem, got {[len(g) for g in groups]}")
     k = len(groups[0])
-    trajs = [t for g in groups for t in g]
+    trajs = [traj for group in groups for traj in group]
     per_problem = []
-    for i, g in enumerate(groups):
-        c = sum(bool(t.correct) for t in g)
-        win = majority_vote([t.pred for t in g])
-        calls = [s for t in g for s in t.calls]
+    for index, group in enumerate(groups):
+        correct = sum(bool(traj.correct) for traj in group)
+        win = majority_vote([traj.pred for traj in group])  # the index of the vote's winner, None: no answer
         per_problem.append({
-            "index": i, "gold": g[0].answer, "samples": k, "correct": c, "accuracy": c / k,
-            "maj_answer": None if win is None else g[win].pred,
-            "maj_correct": 0.0 if win is None else float(g[win].correct),
-            "preds": [t.pred for t in g],
-            "response_len": statistics.fmean(t.n_response for t in g),
-            "tool_calls": len(calls), "tool_errors": agent.n_failed(calls),
-            "truncated": sum(t.finish == "length" for t in g),
+            "index": index, "gold": group[0].answer, "samples": k, "correct": correct, "accuracy": correct / k,
+            "maj_answer": None if win is None else group[win].pred,
+            "maj_correct": 0.0 if win is None else float(group[win].correct),
+            "preds": [traj.pred for traj in group],
+            "response_len": statistics.fmean(traj.n_response for traj in group),
+            "tool_calls": sum(len(traj.calls) for traj in group),
+            "tool_errors": sum(agent.n_failed(traj.calls) for traj in group),
+            "truncated": sum(traj.finish == "length" for traj in group),
         })
     accs = [p["accuracy"] for p in per_problem]
     summary = {
@@ -143,7 +143,7 @@ def metrics(groups):
     return summary, per_problem
 
 
-def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False, *,
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score_truncated=False, *,
              prompt_ids, task, on_graded=None):
     """
     Sample `samples` trajectories for every problem (the rows of the task module `task`; prompt_ids: their
@@ -159,11 +159,10 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     requests = Lazy(len(problems) * samples, lambda j: Request(
         list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
         meta={"answer": problems[j // samples].get("answer"), "problem": j // samples}))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    # under torchrun the bar counts this rank's trajectories only, so it has no total
-    bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
-               unit="traj", dynamic_ncols=True)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
+    bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0, desc="eval", unit="traj",
+               dynamic_ncols=True)
     # grades off the decode loop, by the task's rule, on its rows
     grader = grading.Grader(tokenizer, score_truncated, task=task, rows=problems, sandbox=engine.tools)
     waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
@@ -249,8 +248,8 @@ if __name__ == "__main__":
     if not model_path or not data_path:
         sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
-    if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path, weights=True):
-        model_path = latest_checkpoint(model_path, weights=True)  # a run directory: its newest weights
+    if not os.path.isfile(os.path.join(model_path, "config.json")):  # a run directory: its newest weights
+        model_path = latest_checkpoint(model_path, weights=True) or model_path
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
     try:
@@ -287,8 +286,7 @@ if __name__ == "__main__":
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
     os.makedirs(out_dir, exist_ok=True)
-    part = os.path.join(out_dir, f"trajectories.jsonl.{rank}")
-    dump = open(part, "w") if save_trajectories else None
+    dump = open(os.path.join(out_dir, f"trajectories.jsonl.{rank}"), "w") if save_trajectories else None
 
     def write(traj, summary):  # train_rl.py's dump record, written by the rank that made the trajectory
         dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
