@@ -32,7 +32,6 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 import functools
 import glob
 import gzip
-import math
 import os
 import time
 
@@ -273,20 +272,18 @@ while step < steps:
     rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    # per kept group: its kept samples, their rewards, and on which side of RoC each was kept
-    kept, kept_rewards, kept_positive = [], [], []
+    # per kept group: its kept samples, and on which side of RoC each was kept
+    kept, kept_positive = [], []
     for group in keep_groups.tolist():
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            penalties = [grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
-                         for traj in groups[group]]
-            chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
-                                                  generator, mode=roc_mode).tolist()
-            for traj, penalty in zip(groups[group], penalties):
-                traj.penalty = penalty
+            for traj in groups[group]:
+                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
+            penalties = torch.tensor([traj.penalty for traj in groups[group]])
+            chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
+                                                  mode=roc_mode).tolist()
         kept.append([groups[group][index] for index in chosen])
-        kept_rewards.append(rewards[group, chosen])
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
     t_train, t_exchange = time.perf_counter(), 0.0
@@ -297,19 +294,19 @@ while step < steps:
     mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
         # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
-        advantages = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale,
+        kept_rewards = torch.tensor([[traj.reward for traj in group] for group in kept])  # (kept groups, G)
+        advantages = grpo_roc.advantages(kept_rewards, adv_scale,
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
         kept = [traj for group in kept for traj in group]
         for traj, advantage in zip(kept, advantages):
             traj.advantage, traj.kept = advantage, True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
-        lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr_now
+        for param_group in optimizer.param_groups:  # linear warm-up, then constant
+            param_group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         # plan: every rank splits the kept trajectories into mini-batches and plans all their micro-batches
         # from the lengths alone, so all ranks agree on who trains what
-        per_mini = math.ceil(len(kept) / mini_batches)
+        per_mini = -(-len(kept) // mini_batches)  # len(kept) / mini_batches, rounded up
         # mini-batches as ranges of kept indices, none empty
         parts = [range(start, min(len(kept), start + per_mini)) for start in range(0, len(kept), per_mini)]
         plans = [plan(kept, part) for part in parts]
@@ -325,8 +322,7 @@ while step < steps:
             # the loss divisor as one weight per trajectory (token-mean: 1), riding on its advantage
             weights = grpo_roc.loss_weights([kept[index].n_sampled for index in part],
                                             [kept[index].key[1] for index in part], loss_norm, max_response_tokens)
-            scaled = dict(zip(part, (advantage * weight
-                                     for advantage, weight in zip((advantages[index] for index in part), weights))))
+            scaled = {index: advantages[index] * weight for index, weight in zip(part, weights)}
             micros = [micro_batch(kept, indices, scaled, tokens) for indices in bins]
             n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)), device=device)
             old_logprobs = None
