@@ -70,11 +70,10 @@ class Lazy:
         return self.n
 
     def __getitem__(self, i):
+        # range(n) does the index arithmetic: a slice's items, a negative index, the IndexError past the end
         if isinstance(i, slice):
-            return [self.make(j) for j in range(*i.indices(self.n))]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.make(i % self.n)
+            return [self.make(j) for j in range(self.n)[i]]
+        return self.make(range(self.n)[i])
 
 
 def generate(engine, requests, budget, mode="dynamic", on_finish=None, *, counter, keep=True):
