@@ -121,9 +121,10 @@ try:
     task_module = grading.load_task(task)
 except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"config error: {e}")
-if max_prompt_tokens + max_response_tokens > max_tokens_per_micro:  # a whole trajectory in one micro-batch
-    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_prompt_tokens + max_response_tokens} "
-                     f"> max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
+max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
+if max_len > max_tokens_per_micro:  # a whole trajectory in one micro-batch
+    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_len} > max_tokens_per_micro = "
+                     f"{max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
 model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
@@ -237,14 +238,12 @@ def dump_step(step, mine, summaries):
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                     isolation=tool_isolation).start()
-max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
-                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic,
-                tool_table=task_module.TOOLS)
+                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, reserve=kv_reserve,
+                tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
