@@ -61,7 +61,6 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -95,12 +94,9 @@ def normalize_answer(answer):
 def majority_vote(answers):
     """Index of the sample whose answer wins the vote (the first sample with it), or None when no sample
     has an answer. Ties go to the answer sampled first among the tied; None / "" answers do not vote."""
-    keys = [normalize_answer(a) if a else None for a in answers]
-    counts = Counter(k for k in keys if k is not None)
-    if not counts:
-        return None
-    top = max(counts.values())
-    return next(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
+    keys = [normalize_answer(answer) if answer else None for answer in answers]
+    votes = [keys.count(key) if key is not None else 0 for key in keys]  # each sample's answer's votes
+    return votes.index(max(votes)) if any(votes) else None  # index(): the first of the most voted
 
 
 def metrics(groups):
