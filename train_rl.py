@@ -185,8 +185,8 @@ if not start and not data_restart and os.path.isfile(os.path.join(model_path, "t
 @torch.no_grad()
 def sync_policy():
     """Hand the new weights to this rank's engine: gather each shard, one parameter at a time."""
-    for (name, p), q in zip(model.named_parameters(), policy.parameters()):
-        q.copy_(full_value(p))
+    for param, engine_param in zip(model.parameters(), policy.parameters()):
+        engine_param.copy_(full_value(param))
 
 
 def plan(kept, part):
