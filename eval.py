@@ -298,8 +298,7 @@ if __name__ == "__main__":
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
-    wall = time.time() - t0
-    summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg,
+    summary.update(model=model_path, temperature=temperature, wall_s=time.time() - t0, config=cfg,
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # rank 0's
     if dump:
         dump.close()
@@ -322,7 +321,7 @@ if __name__ == "__main__":
                   f"| truncation ratio (length) | {summary['rollout/truncated_frac']:.3f} |",
                   f"| max-turns ratio | {summary['rollout/max_turns_frac']:.3f} |",
                   f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
-                  f"| wall time | {wall:.1f} s |"]
+                  f"| wall time | {summary['wall_s']:.1f} s |"]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]

@@ -285,8 +285,7 @@ while step < steps:
         kept.append([groups[group][index] for index in chosen])
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
-    t_train, t_exchange = time.perf_counter(), 0.0
-    grad_norm = 0.0
+    t_train, t_exchange, grad_norm = time.perf_counter(), 0.0, 0.0
     # every summed statistic of the update, per rank: token-weighted clip fraction and entropy, and the
     # engine-vs-trainer gap's sums (grpo_roc.mismatch); all are summed over ranks once, in step 4
     sums = {key: torch.zeros((), device=device) for key in ("clip_frac", "entropy", "abs", "k3", "out", "n")}
