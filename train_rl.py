@@ -271,7 +271,8 @@ while step < steps:
     rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    # per kept group: its kept samples, and on which side of RoC each was kept
+    # the kept samples (keep_per_prompt of each kept group, group after group), and per kept group on which
+    # side of RoC each was kept
     kept, kept_positive = [], []
     for group in keep_groups.tolist():
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
@@ -282,7 +283,7 @@ while step < steps:
             penalties = torch.tensor([traj.penalty for traj in groups[group]])
             chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
                                                   mode=roc_mode).tolist()
-        kept.append([groups[group][index] for index in chosen])
+        kept += [groups[group][index] for index in chosen]
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
     t_train, t_exchange, grad_norm = time.perf_counter(), 0.0, 0.0
@@ -292,10 +293,9 @@ while step < steps:
     mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
         # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
-        kept_rewards = torch.tensor([[traj.reward for traj in group] for group in kept])  # (kept groups, G)
+        kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)  # (kept groups, G)
         advantages = grpo_roc.advantages(kept_rewards, adv_scale,
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
-        kept = [traj for group in kept for traj in group]
         for traj, advantage in zip(kept, advantages):
             traj.advantage, traj.kept = advantage, True
 
