@@ -164,12 +164,12 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
 
     def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
-        for t, fut in list(waiting):
-            if final is not None or fut.done():
-                summaries.append(summarize(t, fut.result() if fut.done() else final[t.key]))
+        for traj, grade in list(waiting):
+            if final is not None or grade.done():
+                summaries.append(summarize(traj, grade.result() if grade.done() else final[traj.key]))
                 if on_graded is not None:
-                    on_graded(t, summaries[-1])
-                waiting.remove((t, fut))
+                    on_graded(traj, summaries[-1])
+                waiting.remove((traj, grade))
 
     def on_finish(traj):
         waiting.append((traj, grader(traj)))
@@ -292,9 +292,8 @@ if __name__ == "__main__":
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                      isolation=tool_isolation) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
-                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
-                        max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
-                        deterministic=deterministic, tool_table=task_module.TOOLS)
+                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                        tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
