@@ -208,9 +208,8 @@ def micro_batch(kept, indices, advantages, tokens):
         traj = tokens[kept[index].key]
         seq, pad = np.concatenate([traj.prompt_ids, traj.response_ids]), np.zeros(len(traj.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
-                     "mask": np.concatenate([pad, traj.mask]),  # loss only on sampled tokens
-                     # the engine's log-prob of each sampled token
-                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
+                     # the loss reads the sampled tokens only (mask 1), and the engine's log-prob of each
+                     "mask": np.concatenate([pad, traj.mask]), "engine_logprobs": np.concatenate([pad, traj.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
