@@ -59,7 +59,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch.distributed as dist
@@ -242,34 +241,34 @@ if __name__ == "__main__":
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
-        sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
+        raise SystemExit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
     if not os.path.isfile(os.path.join(model_path, "config.json")):  # a run directory: its newest weights
         model_path = latest_checkpoint(model_path, weights=True) or model_path
     if not os.path.isfile(os.path.join(model_path, "config.json")):
-        sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
+        raise SystemExit(f"eval error: {model_path} is no model directory (config.json) and no run directory (step_*/)")
     try:
         task_module = grading.load_task(task)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"config error: {e}")
+        raise SystemExit(f"config error: {e}")
     try:
         problems = read_jsonl(data_path, required=task_module.COLUMNS)
     except ValueError as e:
-        sys.exit(f"data error: {e}")
+        raise SystemExit(f"data error: {e}")
     if limit < 0 or samples < 1:
-        sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
+        raise SystemExit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
     if keep_solved and not 0 <= keep_min_correct <= samples:
-        sys.exit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
+        raise SystemExit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
     problems = problems[:limit] if limit else problems
     if not problems:
-        sys.exit(f"eval error: {data_path} has no problems")
+        raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
     prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32)
                   for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
-        sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
+        raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                  f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
     if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
         problems = [p for p, ids in zip(problems, prompt_ids) if len(ids) <= max_prompt_tokens]
