@@ -59,9 +59,7 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
-from collections import Counter
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -95,12 +93,9 @@ def normalize_answer(answer):
 def majority_vote(answers):
     """Index of the sample whose answer wins the vote (the first sample with it), or None when no sample
     has an answer. Ties go to the answer sampled first among the tied; None / "" answers do not vote."""
-    keys = [normalize_answer(a) if a else None for a in answers]
-    counts = Counter(k for k in keys if k is not None)
-    if not counts:
-        return None
-    top = max(counts.values())
-    return next(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
+    keys = [normalize_answer(answer) if answer else None for answer in answers]
+    votes = [keys.count(key) if key is not None else 0 for key in keys]  # each sample's answer's votes
+    return votes.index(max(votes)) if any(votes) else None  # index(): the first of the most voted
 
 
 def metrics(groups):
@@ -108,20 +103,20 @@ def metrics(groups):
     if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
         raise ValueError(f"need the same non-zero number of samples for every problem, got {[len(g) for g in groups]}")
     k = len(groups[0])
-    trajs = [t for g in groups for t in g]
+    trajs = [traj for group in groups for traj in group]
     per_problem = []
-    for i, g in enumerate(groups):
-        c = sum(bool(t.correct) for t in g)
-        win = majority_vote([t.pred for t in g])
-        calls = [s for t in g for s in t.calls]
+    for index, group in enumerate(groups):
+        correct = sum(bool(traj.correct) for traj in group)
+        win = majority_vote([traj.pred for traj in group])  # the index of the vote's winner, None: no answer
         per_problem.append({
-            "index": i, "gold": g[0].answer, "samples": k, "correct": c, "accuracy": c / k,
-            "maj_answer": None if win is None else g[win].pred,
-            "maj_correct": 0.0 if win is None else float(g[win].correct),
-            "preds": [t.pred for t in g],
-            "response_len": statistics.fmean(t.n_response for t in g),
-            "tool_calls": len(calls), "tool_errors": agent.n_failed(calls),
-            "truncated": sum(t.finish == "length" for t in g),
+            "index": index, "gold": group[0].answer, "samples": k, "correct": correct, "accuracy": correct / k,
+            "maj_answer": None if win is None else group[win].pred,
+            "maj_correct": 0.0 if win is None else float(group[win].correct),
+            "preds": [traj.pred for traj in group],
+            "response_len": statistics.fmean(traj.n_response for traj in group),
+            "tool_calls": sum(len(traj.calls) for traj in group),
+            "tool_errors": sum(agent.n_failed(traj.calls) for traj in group),
+            "truncated": sum(traj.finish == "length" for traj in group),
         })
     accs = [p["accuracy"] for p in per_problem]
     summary = {
@@ -143,7 +138,7 @@ def metrics(groups):
     return summary, per_problem
 
 
-def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progress=True, score_truncated=False, *,
+def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score_truncated=False, *,
              prompt_ids, task, on_graded=None):
     """
     Sample `samples` trajectories for every problem (the rows of the task module `task`; prompt_ids: their
@@ -159,22 +154,21 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", progr
     requests = Lazy(len(problems) * samples, lambda j: Request(
         list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
         meta={"answer": problems[j // samples].get("answer"), "problem": j // samples}))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    # under torchrun the bar counts this rank's trajectories only, so it has no total
-    bar = tqdm(total=len(requests) if world == 1 else None, disable=not (progress and rank0), desc="eval",
-               unit="traj", dynamic_ncols=True)
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
+    bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0, desc="eval", unit="traj",
+               dynamic_ncols=True)
     # grades off the decode loop, by the task's rule, on its rows
     grader = grading.Grader(tokenizer, score_truncated, task=task, rows=problems, sandbox=engine.tools)
     waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
 
     def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
-        for t, fut in list(waiting):
-            if final is not None or fut.done():
-                summaries.append(summarize(t, fut.result() if fut.done() else final[t.key]))
+        for traj, grade in list(waiting):
+            if final is not None or grade.done():
+                summaries.append(summarize(traj, grade.result() if grade.done() else final[traj.key]))
                 if on_graded is not None:
-                    on_graded(t, summaries[-1])
-                waiting.remove((t, fut))
+                    on_graded(traj, summaries[-1])
+                waiting.remove((traj, grade))
 
     def on_finish(traj):
         waiting.append((traj, grader(traj)))
@@ -247,34 +241,34 @@ if __name__ == "__main__":
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
-        sys.exit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
+        raise SystemExit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
-    if not os.path.isfile(os.path.join(model_path, "config.json")) and latest_checkpoint(model_path, weights=True):
-        model_path = latest_checkpoint(model_path, weights=True)  # a run directory: its newest weights
+    if not os.path.isfile(os.path.join(model_path, "config.json")):  # a run directory: its newest weights
+        model_path = latest_checkpoint(model_path, weights=True) or model_path
     if not os.path.isfile(os.path.join(model_path, "config.json")):
-        sys.exit(f"eval error: {model_path} is neither a model directory (config.json) nor a run directory (step_*/)")
+        raise SystemExit(f"eval error: {model_path} is no model directory (config.json) and no run directory (step_*/)")
     try:
         task_module = grading.load_task(task)
     except (FileNotFoundError, ValueError) as e:
-        sys.exit(f"config error: {e}")
+        raise SystemExit(f"config error: {e}")
     try:
         problems = read_jsonl(data_path, required=task_module.COLUMNS)
     except ValueError as e:
-        sys.exit(f"data error: {e}")
+        raise SystemExit(f"data error: {e}")
     if limit < 0 or samples < 1:
-        sys.exit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
+        raise SystemExit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
     if keep_solved and not 0 <= keep_min_correct <= samples:
-        sys.exit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
+        raise SystemExit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
     problems = problems[:limit] if limit else problems
     if not problems:
-        sys.exit(f"eval error: {data_path} has no problems")
+        raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
     prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32)
                   for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
-        sys.exit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
+        raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                  f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
     if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
         problems = [p for p, ids in zip(problems, prompt_ids) if len(ids) <= max_prompt_tokens]
@@ -287,8 +281,7 @@ if __name__ == "__main__":
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
            f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
     os.makedirs(out_dir, exist_ok=True)
-    part = os.path.join(out_dir, f"trajectories.jsonl.{rank}")
-    dump = open(part, "w") if save_trajectories else None
+    dump = open(os.path.join(out_dir, f"trajectories.jsonl.{rank}"), "w") if save_trajectories else None
 
     def write(traj, summary):  # train_rl.py's dump record, written by the rank that made the trajectory
         dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
@@ -298,14 +291,12 @@ if __name__ == "__main__":
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                      isolation=tool_isolation) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
-                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns,
-                        max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
-                        deterministic=deterministic, tool_table=task_module.TOOLS)
+                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                        tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
-    wall = time.time() - t0
-    summary.update(model=model_path, temperature=temperature, wall_s=wall, config=cfg,
+    summary.update(model=model_path, temperature=temperature, wall_s=time.time() - t0, config=cfg,
                    peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # rank 0's
     if dump:
         dump.close()
@@ -328,7 +319,7 @@ if __name__ == "__main__":
                   f"| truncation ratio (length) | {summary['rollout/truncated_frac']:.3f} |",
                   f"| max-turns ratio | {summary['rollout/max_turns_frac']:.3f} |",
                   f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
-                  f"| wall time | {wall:.1f} s |"]
+                  f"| wall time | {summary['wall_s']:.1f} s |"]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]

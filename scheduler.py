@@ -49,16 +49,13 @@ def make_claim(requests, mode, counter):
         return iter_claim(Lazy(len(range(rank, len(requests), world)), lambda j: requests[rank + j * world]))
     assert mode == "dynamic", f"unknown rollout_split {mode!r} (dynamic | static)"
     store = dist.distributed_c10d._get_default_store()
-    counter, exhausted = f"rollout_claim/{counter}", False
+    counter = f"rollout_claim/{counter}"
 
     def claim(n):
-        nonlocal exhausted
-        if exhausted:
-            return []
-        end = store.add(counter, n)  # atomic: the half-open range [end - n, end) is ours alone
-        out = requests[end - n:end]
-        exhausted = end >= len(requests)
-        return out
+        # atomic: the half-open range [end - n, end) is ours alone; past the end of the list it holds nothing,
+        # an empty claim, and the engine claims no more
+        end = store.add(counter, n)
+        return requests[end - n:end]
     return claim
 
 
@@ -73,11 +70,10 @@ class Lazy:
         return self.n
 
     def __getitem__(self, i):
+        # range(n) does the index arithmetic: a slice's items, a negative index, the IndexError past the end
         if isinstance(i, slice):
-            return [self.make(j) for j in range(*i.indices(self.n))]
-        if not -self.n <= i < self.n:
-            raise IndexError(i)
-        return self.make(i % self.n)
+            return [self.make(j) for j in range(self.n)[i]]
+        return self.make(range(self.n)[i])
 
 
 def generate(engine, requests, budget, mode="dynamic", on_finish=None, *, counter, keep=True):
@@ -194,11 +190,9 @@ def exchange(trajs, dest):
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
     dist.all_to_all_single(recv, torch.from_numpy(np.concatenate(send)), recv_sizes.tolist(), sizes.tolist(),
                            group=cpu_group())
-    buf, got, at = recv.numpy(), {}, 0
-    for n in recv_sizes.tolist():
-        got.update((c.key, c) for c in pickle.loads(buf[at:at + n]))
-        at += n
-    return got
+    # the received bytes are every rank's pickled list, one after the other
+    parts = np.split(recv.numpy(), np.cumsum(recv_sizes.numpy())[:-1])
+    return {tokens.key: tokens for part in parts for tokens in pickle.loads(part)}
 
 
 # -----------------------------------------------------------------------------

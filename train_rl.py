@@ -32,7 +32,6 @@ to its FSDP2 training shards; after every optimizer step each parameter is gathe
 import functools
 import glob
 import gzip
-import math
 import os
 import time
 
@@ -122,9 +121,10 @@ try:
     task_module = grading.load_task(task)
 except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"config error: {e}")
-if max_prompt_tokens + max_response_tokens > max_tokens_per_micro:  # a whole trajectory in one micro-batch
-    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_prompt_tokens + max_response_tokens} "
-                     f"> max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
+max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
+if max_len > max_tokens_per_micro:  # a whole trajectory in one micro-batch
+    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_len} > max_tokens_per_micro = "
+                     f"{max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
 model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
@@ -185,8 +185,8 @@ if not start and not data_restart and os.path.isfile(os.path.join(model_path, "t
 @torch.no_grad()
 def sync_policy():
     """Hand the new weights to this rank's engine: gather each shard, one parameter at a time."""
-    for (name, p), q in zip(model.named_parameters(), policy.parameters()):
-        q.copy_(full_value(p))
+    for param, engine_param in zip(model.parameters(), policy.parameters()):
+        engine_param.copy_(full_value(param))
 
 
 def plan(kept, part):
@@ -208,9 +208,8 @@ def micro_batch(kept, indices, advantages, tokens):
         traj = tokens[kept[index].key]
         seq, pad = np.concatenate([traj.prompt_ids, traj.response_ids]), np.zeros(len(traj.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
-                     "mask": np.concatenate([pad, traj.mask]),  # loss only on sampled tokens
-                     # the engine's log-prob of each sampled token
-                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
+                     # the loss reads the sampled tokens only (mask 1), and the engine's log-prob of each
+                     "mask": np.concatenate([pad, traj.mask]), "engine_logprobs": np.concatenate([pad, traj.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
@@ -238,14 +237,12 @@ def dump_step(step, mine, summaries):
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                     isolation=tool_isolation).start()
-max_len = max_prompt_tokens + max_response_tokens
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
-                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars, reserve=kv_reserve, deterministic=deterministic,
-                tool_table=task_module.TOOLS)
+                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, reserve=kv_reserve,
+                tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
@@ -273,43 +270,40 @@ while step < steps:
     rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    # per kept group: its kept samples, their rewards, and on which side of RoC each was kept
-    kept, kept_rewards, kept_positive = [], [], []
+    # the kept samples (keep_per_prompt of each kept group, group after group), and per kept group on which
+    # side of RoC each was kept
+    kept, kept_positive = [], []
     for group in keep_groups.tolist():
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            penalties = [grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
-                         for traj in groups[group]]
-            chosen = grpo_roc.resample_on_correct(rewards[group], torch.tensor(penalties), keep_per_prompt,
-                                                  generator, mode=roc_mode).tolist()
-            for traj, penalty in zip(groups[group], penalties):
-                traj.penalty = penalty
-        kept.append([groups[group][index] for index in chosen])
-        kept_rewards.append(rewards[group, chosen])
+            for traj in groups[group]:
+                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
+            penalties = torch.tensor([traj.penalty for traj in groups[group]])
+            chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
+                                                  mode=roc_mode).tolist()
+        kept += [groups[group][index] for index in chosen]
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
-    t_train, t_exchange = time.perf_counter(), 0.0
-    grad_norm = 0.0
+    t_train, t_exchange, grad_norm = time.perf_counter(), 0.0, 0.0
     # every summed statistic of the update, per rank: token-weighted clip fraction and entropy, and the
     # engine-vs-trainer gap's sums (grpo_roc.mismatch); all are summed over ranks once, in step 4
     sums = {key: torch.zeros((), device=device) for key in ("clip_frac", "entropy", "abs", "k3", "out", "n")}
     mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
         # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
-        advantages = grpo_roc.advantages(torch.stack(kept_rewards), adv_scale,
+        kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)  # (kept groups, G)
+        advantages = grpo_roc.advantages(kept_rewards, adv_scale,
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
-        kept = [traj for group in kept for traj in group]
         for traj, advantage in zip(kept, advantages):
             traj.advantage, traj.kept = advantage, True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
-        lr_now = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
-        for param_group in optimizer.param_groups:
-            param_group["lr"] = lr_now
+        for param_group in optimizer.param_groups:  # linear warm-up, then constant
+            param_group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         # plan: every rank splits the kept trajectories into mini-batches and plans all their micro-batches
         # from the lengths alone, so all ranks agree on who trains what
-        per_mini = math.ceil(len(kept) / mini_batches)
+        per_mini = -(-len(kept) // mini_batches)  # len(kept) / mini_batches, rounded up
         # mini-batches as ranges of kept indices, none empty
         parts = [range(start, min(len(kept), start + per_mini)) for start in range(0, len(kept), per_mini)]
         plans = [plan(kept, part) for part in parts]
@@ -325,8 +319,7 @@ while step < steps:
             # the loss divisor as one weight per trajectory (token-mean: 1), riding on its advantage
             weights = grpo_roc.loss_weights([kept[index].n_sampled for index in part],
                                             [kept[index].key[1] for index in part], loss_norm, max_response_tokens)
-            scaled = dict(zip(part, (advantage * weight
-                                     for advantage, weight in zip((advantages[index] for index in part), weights))))
+            scaled = {index: advantages[index] * weight for index, weight in zip(part, weights)}
             micros = [micro_batch(kept, indices, scaled, tokens) for indices in bins]
             n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)), device=device)
             old_logprobs = None
