@@ -83,8 +83,7 @@ class Logger:
     to be run again, and each step has one row."""
 
     def __init__(self, run_dir, wandb_project="", config=None, rank=0, resume_step=None):
-        self.active = rank == 0
-        self.wandb = None
+        self.active, self.wandb = rank == 0, None  # wandb: only when a project is named
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)

@@ -336,8 +336,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     if seq_ids is not None:  # GSPO: each token gets its sequence's mean log-ratio (gradient to all its tokens)
         log_ratio = torch.where(mask, seq_mean(log_ratio, mask, seq_ids), 0.0)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.detach()
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv  # (B, 1) or (B, T)
+    adv = advantages.detach().reshape(logprobs.size(0), -1)  # (B, 1): one per trajectory, or (B, T): per token
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
     token_loss = -torch.minimum(surr, surr_clipped)  # (B, T)

@@ -128,7 +128,7 @@ class Pager:
     def __init__(self, model, kv_capacity, max_len, reserve, max_rows, page_size, stats, log):
         self.auto = reserve == "auto"
         if not self.auto and not (isinstance(reserve, (int, float)) and 0 <= reserve <= 1):
-            raise ValueError(f"reserve is a share of the response budget in [0, 1], or 'auto': {reserve!r}")
+            raise ValueError(f"reserve (train_rl's kv_reserve): a share of the budget in [0, 1] or 'auto': {reserve!r}")
         self.reserve, self.max_len, self.stats, self.log = reserve, max_len, stats, log
         param = next(model.parameters())
         # flash-attn's paged kernel needs pages of a multiple of 256 tokens; 16 keeps rounding small elsewhere

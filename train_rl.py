@@ -76,7 +76,8 @@ temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
 top_p = 1.0  # nucleus sampling; 1.0 = off
 kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
-kv_reserve = 0.5  # share of a rollout's budget promised at admission (1 = full reservation, never preempts)
+kv_reserve = None  # KV promised to a rollout at admission: None follows what the step's rollouts used (the engine's
+#                    reserve="auto"); a number is that share of the budget, fixed (1: all of it, never preempts)
 deterministic = False  # True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
 rollout_split = "dynamic"  # how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
 tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks (LOCAL_WORLD_SIZE)
@@ -237,12 +238,16 @@ def dump_step(step, mine, summaries):
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                     isolation=tool_isolation).start()
-n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=-(-prompts_per_step * samples_per_prompt // world))
+# this rank's share of a step's rollouts: the most rows its engine holds at once (with reserve="auto" an engine
+# holding more would take rollouts from engines that would run them sooner), and the most rows of KV it needs
+rollouts_per_rank = -(-prompts_per_step * samples_per_prompt // world)
+n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=rollouts_per_rank)
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
-engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, temperature=temperature, top_p=top_p,
-                seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, reserve=kv_reserve,
-                tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
+engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, max_rows=rollouts_per_rank,
+                reserve="auto" if kv_reserve is None else kv_reserve, temperature=temperature, top_p=top_p, seed=seed,
+                tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
+                deterministic=deterministic, tool_table=task_module.TOOLS)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
