@@ -269,7 +269,7 @@ if __name__ == "__main__":
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
         raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
-                 f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
+                         f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
     if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
         problems = [p for p, ids in zip(problems, prompt_ids) if len(ids) <= max_prompt_tokens]
         prompt_ids = [p for p in prompt_ids if len(p) <= max_prompt_tokens]
