@@ -470,9 +470,9 @@ class Engine:
         row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
         t = row.traj
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
-        # Plain completions (generate, use_tools=False) parse none: a turn is the whole answer
-        turn_text = self.tok.decode(t.response_ids[row.turn_start:])
-        calls = [] if tools is None else agent.parse_tool_calls(turn_text, self.max_calls, self.tool_table)
+        # Plain completions (generate, use_tools=False) decode and parse nothing: a turn is the whole answer
+        calls = [] if tools is None else agent.parse_tool_calls(
+            self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls, self.tool_table)
         if not calls:
             t.finish = "stop"
         elif t.turns >= self.max_turns:
