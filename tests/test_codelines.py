@@ -1,5 +1,6 @@
-"""The core's size is counted the way the README states it (tests/codelines.py), and no core module imports a
-tool (bench, demo, data, simulate, view): a tool is free to grow, the core is not."""
+"""The core's size is counted the way the README states it (tests/codelines.py: code tokens, a ceiling),
+and no core module imports a tool (bench, demo, data, simulate, view): a tool is free to grow, the core
+is not."""
 import os
 import re
 import sys
@@ -56,3 +57,25 @@ def test_readme_map_each_question_needs_at_most_two_stops():
     for row in rows:
         files = set(re.findall(r"`([\w/]+\.py)(?::[\w.]+)?`", row))
         assert codelines.stops(files) <= 2, (row, files)
+
+
+def test_core_within_its_ceilings_and_the_readme_quotes_the_count():
+    # the ceilings are on code tokens (joining lines saves nothing) and the sandbox pair's code lines; the README
+    # quotes the summary lines of `python tests/codelines.py` as they are on this commit
+    sizes, summary = codelines.report()
+    assert sum(s[0] for s in sizes.values()) <= codelines.TOKEN_BUDGET, summary
+    assert sum(sizes[m][1] for m in codelines.SANDBOX) <= codelines.SANDBOX_BUDGET, summary
+    readme = open(os.path.join(codelines.ROOT, "README.md"), encoding="utf-8").read()
+    for line in summary:
+        assert line in readme, f"README.md does not quote `{line}` (run python tests/codelines.py)"
+
+
+def test_code_tokens_count_what_a_reader_reads(tmp_path):
+    # comments and docstrings are free; joining two statements into one line saves no token
+    src = tmp_path / "m.py"
+    src.write_text('"""doc"""\n# c\nx = 1\ny = 2\n')
+    joined = tmp_path / "j.py"
+    joined.write_text('"""doc"""\nx, y = 1, 2\n')
+    assert len(codelines.code_tokens(str(src))) == 6  # x = 1 / y = 2
+    assert len(codelines.code_tokens(str(joined))) == 7  # x , y = 1 , 2
+    assert codelines.size(str(src)) == (6, 2, 0)
