@@ -157,11 +157,13 @@ def test_readme_file_tree_is_true():
     entries = re.findall(r"^(\S+)", tree, flags=re.M)
     for entry in entries:
         assert os.path.exists(os.path.join(ROOT, entry)), f"README's file tree lists {entry}, which does not exist"
-    # every script and folder at the root is in the tree (not what git ignores or the runs make)
-    ignored = {"out", "__pycache__", "shared"}
+    # every script at the root and every folder of code or pages is in the tree (not the folders that runs and
+    # data commands make: out/, data/, .venv/ hold no .py or .md of their own)
+    def is_source_folder(name):
+        path = os.path.join(ROOT, name)
+        return os.path.isdir(path) and any(f.endswith((".py", ".md")) for f in os.listdir(path))
     root = {name + ("/" if os.path.isdir(os.path.join(ROOT, name)) else "") for name in os.listdir(ROOT)
-            if not name.startswith(".") and name not in ignored
-            and (name.endswith((".py", ".sh")) or os.path.isdir(os.path.join(ROOT, name)))}
+            if not name.startswith(".") and (name.endswith((".py", ".sh")) or is_source_folder(name))}
     assert root <= set(entries), f"missing from README's file tree: {sorted(root - set(entries))}"
     # the docs/ line names every page
     docs_line = tree.split("docs/", 1)[1].split("\n```", 1)[0]
