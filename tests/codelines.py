@@ -12,8 +12,10 @@ reported, with the share of code lines over 100 characters (the anchors: nanocha
 nano-vllm 3.2%). The tools (bench, demo, data, simulate, view) are outside the core, and
 tests/test_codelines.py keeps them there.
 
-It also prints the reading path: the functions a newcomer reads to follow one prompt to one gradient step,
-in order, with their code lines and how many files they span. The sandbox and the grader are read through
+It also prints the reading path: what a newcomer reads to follow one prompt to one gradient step, in order,
+with its code lines and how many files it spans: train_rl.py's step loop (the loop that calls everything
+else), the functions it calls, and the records they pass between them (a request, a trajectory, its summary
+and tokens, a tool call and the sandbox's result); counted the way nanochat's chat_rl would be, loop included. The sandbox and the grader are read through
 their contracts only (sandbox.Result's statuses, Grader.grade), not their insides. A name that no longer
 resolves fails tests/test_codelines.py, as does a stale anchor in the README's "Where is it in the code".
 """
@@ -33,6 +35,12 @@ SANDBOX_BUDGET = 800  # the sandbox pair's code lines: a ceiling
 LONG_LINE = 100  # characters: a code line longer than this counts as long
 # prompt -> rollout -> tool call -> reward -> kept rollouts -> micro-batches -> loss -> new weights
 READING_PATH = (
+    # the loop that calls everything below, once per RL step
+    "train_rl.py:while",
+    # the records that cross the functions: what a rollout is asked for and what it gives back, what every
+    # rank learns of it, a tool call and the sandbox's answer
+    "rollout.py:Request", "rollout.py:Trajectory", "scheduler.py:Summary", "scheduler.py:Tokens",
+    "agent.py:ToolCall", "sandbox.py:Result",
     # the prompt and its rollouts, spread over the ranks
     "train_rl.py:prompt_at", "tasks/math.py:prompt", "agent.py:prompt_text", "scheduler.py:generate",
     "scheduler.py:make_claim", "rollout.py:Engine.run", "rollout.py:Pager.admit", "rollout.py:Engine.prefill",
@@ -100,9 +108,9 @@ def size(path):
 
 
 def resolve(anchor):
-    """The ast node that `file.py:name` (a function, class or module-level name; `Class.method` inside a class)
-    names, relative to the repository root; `file.py` alone is the module. Raises LookupError, naming the
-    anchor, when it does not resolve."""
+    """The ast node that `file.py:name` (a function, class or module-level name; `Class.method` inside a class;
+    `while`: the module's top-level while loop, e.g. train_rl.py's step loop) names, relative to the repository
+    root; `file.py` alone is the module. Raises LookupError, naming the anchor, when it does not resolve."""
     path, _, name = anchor.partition(":")
     full = os.path.join(ROOT, path)
     if not path.endswith(".py") or not os.path.isfile(full):
@@ -114,6 +122,8 @@ def resolve(anchor):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and child.name == part:
                 found = child
             elif isinstance(child, ast.Assign) and any(getattr(t, "id", None) == part for t in child.targets):
+                found = child
+            elif isinstance(child, ast.While) and part == "while" and found is None:
                 found = child
         if found is None:
             raise LookupError(f"{anchor}: {path} has no {part!r} there")
@@ -168,7 +178,8 @@ def report():
         f"core {tokens} code tokens (ceiling {TOKEN_BUDGET}) in {lines} code lines, "
         f"{100 * long_lines / lines:.1f}% of them over {LONG_LINE} characters",
         f"sandbox pair {box} code lines (ceiling {SANDBOX_BUDGET}): {'within' if ok else 'over'} the ceilings",
-        f"reading path (prompt -> gradient): {len(READING_PATH)} functions, {sum(path_lines)} code lines "
+        f"reading path (prompt -> gradient): the step loop, {len(READING_PATH) - 1} functions and records, "
+        f"{sum(path_lines)} code lines "
         f"in {path_files} files, {path_stops} stops (the task file read with grading's contract)",
     ]
 
