@@ -45,8 +45,8 @@ def has_weights(path):
 
 def checkpoints(run_dir):
     """The complete checkpoints of a run, oldest first."""
-    paths = glob.glob(os.path.join(run_dir, "step_[0-9]*"))
-    return sorted(path for path in paths if not path.endswith(".tmp"))
+    return sorted(path for path in glob.glob(os.path.join(run_dir, "step_[0-9]*"))
+                  if not path.endswith(".tmp"))
 
 
 def latest_checkpoint(run_dir, weights=False):
@@ -83,9 +83,9 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
         os.makedirs(tmp)
     barrier()
-    state_dict = {"model": get_model_state_dict(model),
-                  "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state_dict, checkpoint_id=os.path.join(tmp, "state"))
+    dcp.save({"model": get_model_state_dict(model),
+              "optimizer": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=os.path.join(tmp, "state"))
     if hf_dtype is not None:
         save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
     if rank0:

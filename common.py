@@ -68,9 +68,8 @@ def resolve_model(path, key="model_path"):
         barrier()
         return snapshot_download(path, local_files_only=True)
     except Exception as e:
-        why = (str(e).splitlines() or [""])[0]
-        if type(e).__name__ == "HFValidationError":
-            why = "not a valid Hub id"
+        why = ("not a valid Hub id" if type(e).__name__ == "HFValidationError"
+               else (str(e).splitlines() or [""])[0])
         raise SystemExit(f"config error: {key}={path!r} is no directory, nor a Hugging Face Hub "
                          f"model that resolves: {why}")
 
@@ -98,9 +97,9 @@ class Logger:
         self.file.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step)
         if wandb_project:
             import wandb  # optional: only imported when asked for
-            resume = "allow" if resume_step is not None else None
             self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir),
-                                    config=config, resume=resume)
+                                    config=config,
+                                    resume="allow" if resume_step is not None else None)
 
     def log(self, step, metrics):
         if not self.active:
@@ -129,15 +128,15 @@ def read_jsonl(path, required=("question", "answer")):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
-                kind = type(row).__name__
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {kind}")
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, "
+                                 f"got {type(row).__name__}")
             for key in required:
                 if key not in row:
                     raise ValueError(f"{path}:{lineno}: missing field {key!r}")
                 # answers are compared as text: a JSON number here is almost always a mistake
                 if key in ("question", "answer") and not isinstance(row[key], str):
-                    kind = type(row[key]).__name__
-                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, got {kind}")
+                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, "
+                                     f"got {type(row[key]).__name__}")
             rows.append(row)
     return rows
 

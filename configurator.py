@@ -90,8 +90,8 @@ def configure(g, argv=None):
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
         comments = key_comments(g["__file__"]) if g.get("__file__") else {}
         for key, default in defaults.items():
-            comment = f"  {comments[key]}" if key in comments else ""
-            print(f"  --{key}={default!r}  ({type(default).__name__})" + comment)
+            print(f"  --{key}={default!r}  ({type(default).__name__})"
+                  + (f"  {comments[key]}" if key in comments else ""))
         sys.exit(0)
     for arg in argv:
         # what the argument assigns: an override its one key, a config file the plain values it leaves behind

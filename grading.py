@@ -60,12 +60,6 @@ def plain_int(text):
     return "-" + digits if negative else digits
 
 
-def _too_big(text):
-    # longer than MAX_ANSWER_CHARS, or nested deeper than MAX_DEPTH at some point (the running bracket depth)
-    depths = itertools.accumulate((char in "([{") - (char in ")]}") for char in text)
-    return len(text) > MAX_ANSWER_CHARS or max(depths, default=0) > MAX_DEPTH
-
-
 def _talk(proc, data, timeout):
     # send data to a helper and read its one-line answer, all within timeout seconds and never blocking past
     # it (writes are non-blocking: a stopped helper leaves the pipe full); None if it is late or gone
@@ -206,7 +200,9 @@ class Grader:
     def refuses(self, text):
         """True, counted as refused, when text is too big to hand to a parser: longer than MAX_ANSWER_CHARS
         or nested deeper than MAX_DEPTH (math-verify's time grows with both)."""
-        if _too_big(text):
+        # the running bracket depth
+        depths = itertools.accumulate((char in "([{") - (char in ")]}") for char in text)
+        if len(text) > MAX_ANSWER_CHARS or max(depths, default=0) > MAX_DEPTH:
             self._count("refused")
             return True
         return False

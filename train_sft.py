@@ -60,14 +60,12 @@ def check_chat(messages, tools):
     Check a "chat" conversation (agent.check_messages, its calls only to the functions in tools); return its
     messages with tool-call arguments as JSON objects. Raises ValueError naming the message.
     """
-    is_schema_list = isinstance(tools, list) and all(isinstance(schema, dict) for schema in tools)
-    if tools is not None and not is_schema_list:
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(schema, dict) for schema in tools)):
         raise ValueError('"tools" must be a list of JSON schemas (objects)')
-    names = set()
-    for schema in tools or []:
-        # an OpenAI schema {"type": "function", "function": {...}} or the bare function object
-        function = schema["function"] if isinstance(schema.get("function"), dict) else schema
-        names.add(function.get("name"))
+    # the names in OpenAI schemas {"type": "function", "function": {...}} or in bare function objects
+    names = {(tool["function"] if isinstance(tool.get("function"), dict) else tool).get("name")
+             for tool in tools or []}
     return agent.check_messages(messages, names)
 
 
@@ -102,9 +100,8 @@ def render_chat(tokenizer, messages, tools=None):
                 "stands (config key chat_template, e.g. configs/chat_template_qwen.jinja)")
         turn = after[len(before):]
         # the header the generation prompt would have forced ('<|im_start|>assistant\n') is not trained
-        head = 0
-        if prompt.startswith(before):
-            head = len(os.path.commonprefix([prompt[len(before):], turn]))
+        head = (len(os.path.commonprefix([prompt[len(before):], turn]))
+                if prompt.startswith(before) else 0)
         body = turn[head:].rstrip()  # what the model samples, up to its end-of-turn token
         start = len(before) + head
         pieces += [(full[done:start], 0), (body, 1)]
@@ -123,23 +120,18 @@ def parse(line, fmt):
         raise ValueError('expected a JSON object with "messages"')
     if fmt == "rstar2":
         tools = row.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(map(_is_schema, tools))):
+        if tools is not None and not (isinstance(tools, list) and all(
+                isinstance(schema, dict) and isinstance(schema.get("function"), dict)
+                and isinstance(schema["function"].get("name"), str) for schema in tools)):
             raise ValueError('"tools" must be a list of schemas '
                              '{"type": "function", "function": {"name": ...}}')
         # the prompt's tool table: the schemas only (nothing runs in SFT)
-        table = agent.PYTHON_TOOLS
-        if tools is not None:
-            table = {schema["function"]["name"]: agent.Tool(schema, None) for schema in tools}
+        table = (agent.PYTHON_TOOLS if tools is None
+                 else {schema["function"]["name"]: agent.Tool(schema, None) for schema in tools})
         # agent.check_messages' checks, then the protocol's
         agent.conversation_segments(row["messages"], table)
         return row["messages"], table
     return check_chat(row["messages"], row.get("tools")), row.get("tools")
-
-
-def _is_schema(schema):
-    # {"type": "function", "function": {"name": "...", ...}}
-    function = schema.get("function") if isinstance(schema, dict) else None
-    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def index_file(path, fmt):
@@ -173,8 +165,8 @@ def load(tokenizer, file, path, fmt, row):
         raise ValueError(f"{path}:{line_number}: {error}") from None
     except (TypeError, jinja2.TemplateError) as error:
         # raised while rendering (a template's raise_exception)
-        kind = type(error).__name__
-        raise ValueError(f"{path}:{line_number}: chat template: {kind}: {error}") from None
+        raise ValueError(f"{path}:{line_number}: chat template: "
+                         f"{type(error).__name__}: {error}") from None
 
 
 def epoch_order(sizes, weights, seed, epoch):
@@ -247,8 +239,8 @@ if __name__ == "__main__":
     # data: every line is checked up front (errors name the file and line), then streamed by offset
     mix = []
     for entry in data_mix:
-        is_triple = isinstance(entry, (list, tuple)) and len(entry) == 3
-        if not (is_triple and entry[1] in ("rstar2", "chat")
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3
+                and entry[1] in ("rstar2", "chat")
                 and isinstance(entry[2], (int, float)) and entry[2] >= 0):
             sys.exit("config error: data_mix entries are (path, 'rstar2' | 'chat', weight >= 0), "
                      f"got {entry!r}")
@@ -264,8 +256,9 @@ if __name__ == "__main__":
             sys.exit(f"data error: {path}: cannot read it ({error.strerror})")
         mix.append((path, fmt, float(weight), rows, open(path, "rb")))
         print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
-    sizes = [len(rows) for _, _, _, rows, _ in mix]
-    weights = [weight for _, _, weight, _, _ in mix]
+    # mix holds (path, format, weight, rows, open file)
+    sizes = [len(entry[3]) for entry in mix]
+    weights = [entry[2] for entry in mix]
     epoch_len = len(epoch_order(sizes, weights, seed, 0))
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")

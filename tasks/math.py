@@ -135,11 +135,8 @@ def verify(gold, pred):
 
     def box(text):
         return parse("\\boxed{" + text + "}", parsing_timeout=None)
-    gold_parsed = box(gold)
-    pred_parsed = box(pred)
-    if not (gold_parsed and pred_parsed):
-        return False
-    if not math_verify(gold_parsed, pred_parsed, timeout_seconds=None):
+    parsed = [box(gold), box(pred)]  # each a list: [] when math-verify finds nothing to parse
+    if not (all(parsed) and math_verify(*parsed, timeout_seconds=None)):
         return False
     sides = [box(side) for side in _RELATION_RE.split(pred)]
     numbers = [side for side in sides if side and isinstance(side[0], sympy.Expr)
