@@ -85,7 +85,9 @@ def reward(response, gold, grader=None):
     3. an answer too big to parse is refused: 0 (grader.refuses: over grading.MAX_ANSWER_CHARS characters,
        or nested deeper than grading.MAX_DEPTH);
     4. the same text, or the same plain integer (-0012 = -12, grading.plain_int), is 1 without math-verify;
-    5. otherwise verify() decides, in the grader's helper process (0 if it passes the grader's timeout).
+    5. otherwise verify() decides, in the grader's helper process (0 if it passes the grader's timeout):
+       math-verify's verdict, except that a relation between two different numbers (8 = 7, 8 \\to 7,
+       7 \\approx 8, ...: math-verify reads one side of each) is a hedge, 0.
     Without a grader, one of its own is made for this call (its helper starts when step 5 is reached: a
     few seconds); to grade many, pass one.
     """
