@@ -276,6 +276,7 @@ if __name__ == "__main__":
     skipped = 0  # conversations longer than max_seq_len
     trained = 0  # assistant tokens trained on
     for epoch in range(epochs):
+        # this epoch's (file, conversation) pairs, shuffled: the same on every rank
         order = epoch_order(sizes, weights, seed, epoch)
         for step_in_epoch in range(steps_per_epoch):
             step_start = time.perf_counter()
@@ -287,19 +288,21 @@ if __name__ == "__main__":
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
 
-            # 2. render this step's conversations: each rank renders every world-th one (a chat template
-            # is slow Python), then all ranks gather them all, in batch order, so all agree on the packing
+            # 2. render this step's conversations: each rank renders every world-th one (a chat
+            # template is slow Python), then all ranks gather them all, in batch order, so all agree
+            # on the packing
             step_items = order[step_in_epoch * batch_size:(step_in_epoch + 1) * batch_size]
-            my_renders = []
+            my_renders = []  # (ids, mask) of each conversation this rank renders, or its error text
             for file_index, row_index in step_items[rank::world]:
                 path, fmt, _, rows, file = mix[file_index]
                 try:
                     my_renders.append(load(tokenizer, file, path, fmt, rows[row_index]))
                 except ValueError as error:
                     my_renders.append(str(error))  # every rank must reach the gather, then all stop
+            # renders_by_rank[r] is rank r's list: item k of the step was rendered by rank k % world
             renders_by_rank = gather(my_renders)
 
-            # 3. the batch in order, shifted for next-token targets; too long ones skipped and counted
+            # 3. the batch in order, shifted for next-token targets; too long ones skipped, counted
             batch = []
             for position in range(len(step_items)):
                 rendered = renders_by_rank[position % world][position // world]
@@ -314,8 +317,10 @@ if __name__ == "__main__":
             n_tokens = sum(sum(example["mask"]) for example in batch)
             trained += n_tokens
 
-            # 4. forward and backward, one packed micro-batch at a time (this rank's share of the bins)
+            # 4. forward and backward, one packed micro-batch at a time (this rank's share of the
+            # bins; every rank gets as many bins, so all run the same number of passes)
             bins = pack([len(example["ids"]) for example in batch], max_tokens_per_micro, world)
+            # the step's loss, summed over this rank's micro-batches (then over the ranks, below)
             loss_sum = torch.zeros((), device=device)
             for micro_bin in bins[rank::world]:
                 micro_batch = collate([batch[index] for index in micro_bin], device, packed)
@@ -326,7 +331,8 @@ if __name__ == "__main__":
                 (loss * world).backward()
                 loss_sum += loss.detach()
 
-            # 5. the optimizer step
+            # 5. the optimizer step (the gradient norm clipped to grad_clip), then the loss summed
+            # over the ranks
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -334,7 +340,8 @@ if __name__ == "__main__":
                 dist.all_reduce(loss_sum)
             step += 1
 
-            # 6. logging
+            # 6. logging: metrics.jsonl every step, a progress line every log_every steps
+            # a DTensor norm made whole: a collective, every rank calls it
             grad_norm = full_value(grad_norm)
             logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
                               "skipped": skipped})
