@@ -1,7 +1,7 @@
 """
-The rStar2-Agent protocol: prompt, tool calls, tool responses, reading the answer. The tool seam (a table
-of tools, name -> Tool: schema + run) is here too; the reward runs in grading.py, a task's in its task file
-(tasks/math.py is this protocol's).
+The rStar2-Agent protocol: the prompt, tool calls, tool responses, reading the answer. The tool seam (a
+table of tools, name -> Tool: schema + run) is here too; a task's reward is in its task file (tasks/math.py
+is this protocol's), run under grading.py's bounds.
 
 Everything here is text and token ids; no model and no sandbox is imported. The format is the one the
 released rStar2-Agent-14B was trained with (tests/fixtures/rstar2_chat_template.jinja, rendered by hand):
@@ -18,79 +18,16 @@ A trajectory is built token-in/token-out: the prompt ids, then the ids the polic
 the tool-response suffix (mask 0), and so on. Nothing is ever re-rendered from messages, which is why
 render_conversation (for SFT) builds ids from the very same pieces the rollout appends.
 
-The tool turn is identical to the release's code, token for token (rStar repo:
-rstar2_agent/rollout/rstar2_agent_loop.py, tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's
-multi_turn defaults; code-judge). That code is not what trained rStar2-Agent-14B: the release's README says
-the model was trained on verl v0.2 with the authors' own multi-turn framework and that the released port
-"hasn't been used to train a complete model yet". The paper's example traces of the trained model (Figs.
-10-11) show another response format: the raw stdout on success, "tool call failed ... reason: error
-message: Traceback ..." on failure. The release's chat demo (examples/chat_with_tool_call.py) feeds the
-released weights the release's format, and so do we; what the model saw in training is not published.
-The release's format, item by item:
-- there is no "\n" between the model's <|im_end|> and "<|im_start|>user": the release renders the tool
-  messages alone and cuts off the rendered default system turn, which ends in the "\n";
-- a response is code-judge's verdict in the client's words: "Tool call success" or "Tool call failure"
-  + "reason: " (worker_timeout or empty), then "stdout: ..." and "stderr: ..." when not empty (each cut
-  to 1000 chars by code-judge, kept with their trailing newline), then "execution time: 0.01s";
-- the whole text is cut to max_chars characters (verl's max_tool_response_length, 256, not overridden
-  in training or in the eval scripts): first and last max_chars // 2 around "...(truncated)...";
-- a block whose JSON fails to load or is not an object with "name" and "arguments" is answered
-  "Failed to decode tool call: <exception>"; an unknown tool or bad arguments get "Error when executing
-  tool: <exception>" (the exception the release's code raises, e.g. for arguments given as a JSON
-  string: "'str' object has no attribute 'get'"); neither is cut to max_chars;
-- only the first max_calls <tool_call> blocks of a turn count (verl's max_parallel_calls, 1): the rest
-  get no response and no record; a turn without a closed block has no calls, so the trajectory ends.
+In this file, top to bottom:
+    the protocol text      SYSTEM_PROMPT, USER_PREFIX, the Python tool's schema: the release's, verbatim
+    the tool seam          Tool, TOOL_STATUSES (the contract every tool meets), the Python tool, the prompt
+    tool calls             parse_tool_calls in, tool_response_text / tool_suffix_ids out (the release's
+                           words for each sandbox status: the table in the notes at the end)
+    reading the answer     sampled_turns, extract_answer (what a task's grade reads)
 
-How a sandbox result maps onto code-judge's report (run with the README's MAX_EXECUTION_TIME=4):
-    ok        success; stdout is what was printed, then the repr of a trailing expression (our `value`,
-              which the release's harness prints too: IPython-style, and only when it is not None)
-    error     failure, reason "", stderr "ErrType at line N: msg" + the line (the harness's words); stdout
-              only what was flushed: the harness ends with os._exit(1), which drops what print() left
-              in the buffer (sandbox_worker.py runs code the same way, so Result.stdout is just that)
-    memory    failure, reason "", the same (the MemoryError is an error to the harness)
-    crash     failure, reason "", the same (a process killed by a signal does not flush either)
-    timeout   failure, reason worker_timeout, stdout = what was printed + "Suicide from timeout.\n" (the
-              alarm handler's words, printed with flush=True)
-    overloaded  the release retries a queue timeout 4 times, then the call raises: "Error when executing
-              tool: run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
-Lines of stderr starting "[sandbox] " are our pool's notes (why a call was stopped, what was cut): the
-release has no such lines, so they are left out.
-
-Choices that differ from the release on purpose (none changes the form of what the released model sees):
-- "execution time" is not measured: it is 0.01s (what the release shows for a quick call; its
-  failures show 0.05-0.2s, the start of a fresh python3), and for a timeout the duration in whole
-  seconds, i.e. the limit (4.00s; the release shows ~4.1s). A measured time would make the same
-  rollout tokenize differently from run to run: no exact resume, no reproducible tiny run. Only the
-  digits can differ from what the released model saw, not the format;
-- tool name execute_python_code_with_standard_io (paper Fig. 3, the HF model card) where the repo's
-  yaml registers python_code_with_standard_io: the released weights call the former. The release's own
-  prompt lists the yaml's name; a model that calls the paper's name under it is answered "Error when
-  executing tool: 'execute_python_code_with_standard_io'";
-- the tool schema in the prompt has no "return" entry: paper Fig. 3 shows one, the release's yaml (which
-  renders the prompt the released model is run with) has none, and we follow the yaml;
-- the reward reads the last \\boxed{} inside the last <answer> block (the paper's rule) of the final
-  assistant turn, outside its tool calls, and uses math-verify only (the code OR-s it with the PRIME
-  grader, on the whole response), with our own guards around it: separators and spaces normalised, a
-  percent read as its number, a hedge between two different numbers 0, oversized answers refused (the
-  rule is grading.reward()'s docstring);
-- the reference template's quirk (an assistant message without tool calls is rendered with the user
-  prefix) is not reproduced by render_conversation.
-Where we cannot be identical (the release's text depends on things we do not have):
-- a non-string "name" is answered "Failed to decode tool call: ..." as in the release, but not with
-  pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
-  the whole failed batch, other trajectories' calls included;
-- a timeout always adds "Suicide from timeout.". The release's harness sets a 4 s CPU rlimit next to its
-  4 s alarm, and the rlimit also counts the interpreter's start-up, so the kernel's SIGXCPU/SIGKILL often
-  comes first: a long C call then reports nothing, and a busy Python loop often gets an empty report with
-  its printed stdout lost (3 of 6 tries in the issue-23 audit). The status (timeout) and so p_err are the
-  same either way; only the text differs;
-- the sandbox runs this environment's Python (3.11 in the tests) where rStar's README asks for 3.12 and
-  code-judge's workers run that environment's python3, so a few error messages differ;
-- a call runs in a fork of a warm worker, not in a fresh python3: numpy, scipy and sympy are already
-  imported (their import costs nothing against the 4 s limit), `random`'s and sympy's generator state, the
-  `hash()` seed and so set iteration order are the worker's (the same in every call of one worker, where a
-  fresh python3 draws new ones; a worker is replaced only when it dies), and code runs as __main__, so
-  classes it defines pickle as they would in a script.
+The tool turn is the release's, token for token, so that the released model runs here unchanged; where
+it differs from the paper, and what we could not make identical, is in the release-fidelity notes at the
+end of this file and in the README's fidelity table.
 """
 
 import json
@@ -535,3 +472,60 @@ def extract_answer(text):
     return None  # unbalanced
 
 
+
+# -----------------------------------------------------------------------------
+# release-fidelity notes (the README's fidelity table has the rest: the tool name, the schema without
+# "return", the tool-response length, surplus and malformed calls, where the answer is read)
+#
+# The tool turn is the release's code, token for token (rStar repo: rstar2_agent/rollout/
+# rstar2_agent_loop.py, tools/tool_parser.py, tools/code_judge_utils.py; its verl fork's multi_turn
+# defaults; code-judge). That code is not what trained rStar2-Agent-14B: the release's README says the model
+# was trained on verl v0.2 with the authors' own multi-turn framework and that the released port "hasn't
+# been used to train a complete model yet"; the paper's traces of the trained model (Figs. 10-11) show
+# another response format. The release's chat demo (examples/chat_with_tool_call.py) feeds the released
+# weights the release's format, and so do we; what the model saw in training is not published.
+#
+# The release's format, item by item:
+# - no "\n" between the model's <|im_end|> and "<|im_start|>user": the release renders the tool messages
+#   alone and cuts off the rendered default system turn, which ends in the "\n";
+# - a response is code-judge's verdict in the client's words: "Tool call success" or "Tool call failure"
+#   + "reason: " (worker_timeout or empty), then "stdout: ..." and "stderr: ..." when not empty (each cut
+#   to 1000 chars by code-judge, kept with their trailing newline), then "execution time: 0.01s";
+# - the whole text is cut to max_chars characters: first and last max_chars // 2 around
+#   "...(truncated)..."; the texts of a call that did not parse or raised are not cut.
+#
+# How a sandbox result maps onto code-judge's report (run with the README's MAX_EXECUTION_TIME=4):
+#     ok        success; stdout is what was printed, then the repr of a trailing expression (our `value`,
+#               which the release's harness prints too: IPython-style, and only when it is not None)
+#     error     failure, reason "", stderr "ErrType at line N: msg" + the line (the harness's words);
+#               stdout only what was flushed: the harness ends with os._exit(1), which drops what print()
+#               left in the buffer (sandbox_worker.py runs code the same way, so Result.stdout is just that)
+#     memory    failure, reason "", the same (the MemoryError is an error to the harness)
+#     crash     failure, reason "", the same (a process killed by a signal does not flush either)
+#     timeout   failure, reason worker_timeout, stdout = what was printed + "Suicide from timeout.\n" (the
+#               alarm handler's words, printed with flush=True)
+#     overloaded  the release retries a queue timeout 4 times, then the call raises: "Error when executing
+#               tool: run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
+# Lines of stderr starting "[sandbox] " are our pool's notes (why a call was stopped, what was cut): the
+# release has no such lines, so they are left out.
+#
+# Different on purpose (none changes the form of what the released model sees):
+# - "execution time" is not measured: 0.01s (the release shows that for a quick call, 0.05-0.2s for its
+#   failures: the start of a fresh python3), and a timeout's limit in whole seconds (4.00s; the release
+#   shows ~4.1s). A measured time would make the same rollout tokenize differently from run to run;
+# - the reference template's quirk (an assistant message without tool calls is rendered with the user
+#   prefix) is not reproduced by render_conversation.
+# Where we cannot be identical (the release's text depends on things we do not have):
+# - a non-string "name" is answered "Failed to decode tool call: ..." as in the release, but not with
+#   pydantic's (version-dependent) wording; "overloaded" says "1 tool calls" where the release counts
+#   the whole failed batch, other trajectories' calls included;
+# - a timeout always adds "Suicide from timeout.": the release's 4 s CPU rlimit races its 4 s alarm and
+#   counts the interpreter's start-up, so a long C call often reports nothing and a busy Python loop an
+#   empty report (3 of 6 tries in the issue-23 audit). The status (timeout), so p_err, is the same;
+# - the sandbox runs this environment's Python (3.11 in the tests) where rStar's README asks for 3.12 and
+#   code-judge's workers run that environment's python3, so a few error messages differ;
+# - a call runs in a fork of a warm worker, not in a fresh python3: numpy, scipy and sympy are already
+#   imported (their import costs nothing against the 4 s limit), `random`'s and sympy's generator state,
+#   the `hash()` seed and so set iteration order are the worker's (the same in every call of one worker,
+#   where a fresh python3 draws new ones; a worker is replaced only when it dies), and code runs as
+#   __main__, so classes it defines pickle as they would in a script.

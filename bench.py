@@ -98,6 +98,7 @@ from grpo_roc import policy_loss
 from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
 from sandbox import Result, SandboxPool
+from tasks import math as math_task
 
 N_NEW = 128  # (a) new tokens per row
 BATCHES = (32, 64)  # (a) batch sizes
@@ -956,12 +957,12 @@ def grading(tok, reps, prompts=8, samples=16):
     engine = Forced(model, tok, kv_capacity=prompts * samples * 600, max_len=600)
     reqs = lambda: [Request(agent.render_prompt(tok, q), key=(0, i, s), meta={"answer": golds[i]})  # noqa: E731
                     for i, q in enumerate(qs) for s in range(samples)]
-    grading.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
+    math_task.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
 
     def inline():
         grades = []
         engine.run(iter_claim(reqs()), 64, lambda t: grades.append(
-            grading.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
+            math_task.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
         assert grades == [1.0] * len(qs) * samples
 
     def off_loop():

@@ -22,7 +22,8 @@ from common import barrier
 from model import load_model, load_weights, save_model, shard_model
 
 # a single process saves and loads its checkpoints with torch.distributed.checkpoint too: it says so each time
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore",
+                        message="torch.distributed is disabled, unavailable or uninitialized")
 
 # checkpoints: out/<run>/step_000300/
 #   state/                model + optimizer shards, torch.distributed.checkpoint: every rank writes its own part
@@ -44,7 +45,8 @@ def has_weights(path):
 
 def checkpoints(run_dir):
     """The complete checkpoints of a run, oldest first."""
-    return sorted(p for p in glob.glob(os.path.join(run_dir, "step_[0-9]*")) if not p.endswith(".tmp"))
+    return sorted(path for path in glob.glob(os.path.join(run_dir, "step_[0-9]*"))
+                  if not path.endswith(".tmp"))
 
 
 def latest_checkpoint(run_dir, weights=False):
@@ -75,12 +77,14 @@ def load_trainable(path, device, dtype, activation_checkpointing=False):
 def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):
     """Write the checkpoint `path` (layout above), with HF weights in hf_dtype unless it is None; then keep
     the newest `keep` complete checkpoints of its run (0: all), and every one with HF weights."""
-    rank0, tmp = int(os.environ.get("RANK", 0)) == 0, path + ".tmp"
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    tmp = path + ".tmp"
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
         os.makedirs(tmp)
     barrier()
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)},
+    dcp.save({"model": get_model_state_dict(model),
+              "optimizer": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=os.path.join(tmp, "state"))
     if hf_dtype is not None:
         save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers

@@ -24,7 +24,8 @@ def compute_init(seed=0, timeout_s=1800):
     honest wait, the spread between the first and the last rank to finish a rollout phase: `python
     simulate.py` puts it at 48-114 s in training and 206-352 s for AIME eval at 30K tokens; 30 min is 5x that."""
     global _cpu_group
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -67,8 +68,10 @@ def resolve_model(path, key="model_path"):
         barrier()
         return snapshot_download(path, local_files_only=True)
     except Exception as e:
-        why = "not a valid Hub id" if type(e).__name__ == "HFValidationError" else (str(e).splitlines() or [""])[0]
-        raise SystemExit(f"config error: {key}={path!r} is no directory, nor a Hugging Face Hub model that resolves: {why}")
+        why = ("not a valid Hub id" if type(e).__name__ == "HFValidationError"
+               else (str(e).splitlines() or [""])[0])
+        raise SystemExit(f"config error: {key}={path!r} is no directory, nor a Hugging Face Hub "
+                         f"model that resolves: {why}")
 
 
 def print0(*args, **kwargs):
@@ -83,7 +86,8 @@ class Logger:
     to be run again, and each step has one row."""
 
     def __init__(self, run_dir, wandb_project="", config=None, rank=0, resume_step=None):
-        self.active, self.wandb = rank == 0, None  # wandb: only when a project is named
+        self.active = rank == 0
+        self.wandb = None  # wandb: only when a project is named
         if not self.active:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -93,7 +97,8 @@ class Logger:
         self.file.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step)
         if wandb_project:
             import wandb  # optional: only imported when asked for
-            self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir), config=config,
+            self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir),
+                                    config=config,
                                     resume="allow" if resume_step is not None else None)
 
     def log(self, step, metrics):
@@ -123,13 +128,15 @@ def read_jsonl(path, required=("question", "answer")):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, "
+                                 f"got {type(row).__name__}")
             for key in required:
                 if key not in row:
                     raise ValueError(f"{path}:{lineno}: missing field {key!r}")
                 # answers are compared as text: a JSON number here is almost always a mistake
                 if key in ("question", "answer") and not isinstance(row[key], str):
-                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, got {type(row[key]).__name__}")
+                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, "
+                                     f"got {type(row[key]).__name__}")
             rows.append(row)
     return rows
 
@@ -174,7 +181,8 @@ def pack(lengths, max_tokens, world=1):
     order = _longest_first(lengths, max_tokens)
     m = max(1, -(-sum(lengths) // (world * max_tokens)))
     while True:
-        bins, heap = [[] for _ in range(world * m)], [(0, j) for j in range(world * m)]
+        bins = [[] for _ in range(world * m)]
+        heap = [(0, j) for j in range(world * m)]  # (tokens in bin j, j)
         for i in order:
             load, j = heapq.heappop(heap)  # the emptiest bin, the lowest index among equals
             bins[j].append(i)

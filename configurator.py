@@ -37,7 +37,8 @@ def check(key, value, defaults, where):
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
-    elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif (isinstance(default, float) and isinstance(value, (int, float))
+          and not isinstance(value, bool)):
         return float(value)
     elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         return type(default)(value)
@@ -61,15 +62,18 @@ def key_comments(path):
     of each key), each with the comment-only lines right below it that continue it, indented after their #
     (`#      more`), for --help."""
     source = open(path, encoding="utf-8").read()
-    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
-    lines, out = source.splitlines(), {}
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {tok.start[0]: tok.string for tok in tokens if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    out = {}
     for lineno, line in enumerate(lines, 1):
         assigned = re.match(r"\s*([A-Za-z_]\w*)\s*=[^=]", line)
         if not assigned or assigned[1] in out or lineno not in comments:
             continue
         text = comments[lineno][1:].strip()
-        while lines[lineno].lstrip().startswith("#  ") and comments.get(lineno + 1, "").startswith("#  "):
+        # the comment-only lines right below that continue it
+        while (lines[lineno].lstrip().startswith("#  ")
+               and comments.get(lineno + 1, "").startswith("#  ")):
             lineno += 1
             text += " " + comments[lineno][1:].strip()
         out[assigned[1]] = text
@@ -85,8 +89,9 @@ def configure(g, argv=None):
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
         comments = key_comments(g["__file__"]) if g.get("__file__") else {}
-        for k, v in defaults.items():
-            print(f"  --{k}={v!r}  ({type(v).__name__})" + (f"  {comments[k]}" if k in comments else ""))
+        for key, default in defaults.items():
+            print(f"  --{key}={default!r}  ({type(default).__name__})"
+                  + (f"  {comments[key]}" if key in comments else ""))
         sys.exit(0)
     for arg in argv:
         # what the argument assigns: an override its one key, a config file the plain values it leaves behind
@@ -94,7 +99,9 @@ def configure(g, argv=None):
             if "=" not in arg:
                 fail(f"'{arg}' must look like --key=value")
             key, text = arg[2:].split("=", 1)
-            where, label, assigned = "command line", "override", {key: parse_value(text)}
+            where = "command line"
+            label = "override"
+            assigned = {key: parse_value(text)}
         else:
             if not os.path.isfile(arg):
                 fail(f"config file '{arg}' not found")

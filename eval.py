@@ -83,11 +83,7 @@ def pass_at_k(n, c, k):
 def normalize_answer(answer):
     """The string maj@k votes on: no whitespace; plain integers without leading zeros or '+'."""
     s = "".join(answer.split())
-    sign, digits = (s[0], s[1:]) if s[:1] in "+-" and len(s) > 1 else ("", s)
-    if digits.isascii() and digits.isdigit():
-        digits = digits.lstrip("0") or "0"
-        s = ("-" if sign == "-" and digits != "0" else "") + digits
-    return s
+    return grading.plain_int(s) or s
 
 
 def majority_vote(answers):

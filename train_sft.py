@@ -51,7 +51,8 @@ import torch
 
 import agent
 
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")  # the template marks assistant tokens itself
+# the template marks the assistant's tokens itself
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def check_chat(messages, tools):
@@ -59,9 +60,12 @@ def check_chat(messages, tools):
     Check a "chat" conversation (agent.check_messages, its calls only to the functions in tools); return its
     messages with tool-call arguments as JSON objects. Raises ValueError naming the message.
     """
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(schema, dict) for schema in tools)):
         raise ValueError('"tools" must be a list of JSON schemas (objects)')
-    names = {(t["function"] if isinstance(t.get("function"), dict) else t).get("name") for t in tools or []}
+    # the names in OpenAI schemas {"type": "function", "function": {...}} or in bare function objects
+    names = {(tool["function"] if isinstance(tool.get("function"), dict) else tool).get("name")
+             for tool in tools or []}
     return agent.check_messages(messages, names)
 
 
@@ -74,51 +78,58 @@ def render_chat(tokenizer, messages, tools=None):
                                             return_assistant_tokens_mask=True)
         return list(out["input_ids"]), list(out["assistant_masks"])
 
-    def render(msgs, generation_prompt=False):
-        return tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False,
+    def render(conversation, generation_prompt=False):
+        return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
     full = render(messages)
-    pieces, pos = [], 0  # (text, mask) stretches that make up full, in order
-    for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+    pieces = []  # (text, mask) stretches that make up full, in order
+    done = 0  # how much of full the pieces cover
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
             continue
-        before, prompt, after = render(messages[:k]), render(messages[:k], True), render(messages[:k + 1])
+        before = render(messages[:index])
+        prompt = render(messages[:index], True)
+        after = render(messages[:index + 1])
         if not (full.startswith(before) and full.startswith(after) and len(after) > len(before)):
             raise ValueError(
-                f"message {k}: the chat template renders this assistant turn differently once later messages "
-                "follow (Qwen3's own template does: an empty <think></think> on the last turn only), so its "
-                "tokens cannot be found; use a template with {% generation %} markers or one that renders "
-                "every message the same wherever it stands (config key chat_template, e.g. "
-                "configs/chat_template_qwen.jinja)")
+                f"message {index}: the chat template renders this assistant turn differently once "
+                "later messages follow (Qwen3's own template does: an empty <think></think> on the "
+                "last turn only), so its tokens cannot be found; use a template with "
+                "{% generation %} markers or one that renders every message the same wherever it "
+                "stands (config key chat_template, e.g. configs/chat_template_qwen.jinja)")
         turn = after[len(before):]
         # the header the generation prompt would have forced ('<|im_start|>assistant\n') is not trained
-        head = len(os.path.commonprefix([prompt[len(before):], turn])) if prompt.startswith(before) else 0
+        head = (len(os.path.commonprefix([prompt[len(before):], turn]))
+                if prompt.startswith(before) else 0)
         body = turn[head:].rstrip()  # what the model samples, up to its end-of-turn token
         start = len(before) + head
-        pieces += [(full[pos:start], 0), (body, 1)]
-        pos = start + len(body)
-    pieces.append((full[pos:], 0))
-    return agent.encode_segments(tokenizer, [(text, m) for text, m in pieces if text])
+        pieces += [(full[done:start], 0), (body, 1)]
+        done = start + len(body)
+    pieces.append((full[done:], 0))
+    return agent.encode_segments(tokenizer, [(text, mask) for text, mask in pieces if text])
 
 
 def parse(line, fmt):
     """One JSONL line of a file in format fmt -> (messages, tools), checked. Raises ValueError."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON ({error})") from None
     if not isinstance(row, dict) or "messages" not in row:
         raise ValueError('expected a JSON object with "messages"')
     if fmt == "rstar2":
         tools = row.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(
-                isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-                for t in tools)):
-            raise ValueError('"tools" must be a list of schemas {"type": "function", "function": {"name": ...}}')
+                isinstance(schema, dict) and isinstance(schema.get("function"), dict)
+                and isinstance(schema["function"].get("name"), str) for schema in tools)):
+            raise ValueError('"tools" must be a list of schemas '
+                             '{"type": "function", "function": {"name": ...}}')
         # the prompt's tool table: the schemas only (nothing runs in SFT)
-        table = agent.PYTHON_TOOLS if tools is None else {t["function"]["name"]: agent.Tool(t, None) for t in tools}
-        agent.conversation_segments(row["messages"], table)  # agent.check_messages' checks, then the protocol's
+        table = (agent.PYTHON_TOOLS if tools is None
+                 else {schema["function"]["name"]: agent.Tool(schema, None) for schema in tools})
+        # agent.check_messages' checks, then the protocol's
+        agent.conversation_segments(row["messages"], table)
         return row["messages"], table
     return check_chat(row["messages"], row.get("tools")), row.get("tools")
 
@@ -126,45 +137,53 @@ def parse(line, fmt):
 def index_file(path, fmt):
     """[(byte offset, line number)] of the conversations (non-empty lines) of a JSONL file, each parsed and
     checked on the way. Raises ValueError 'path:line: what is wrong'."""
-    rows, offset = [], 0
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+    rows = []
+    offset = 0
+    with open(path, "rb") as file:
+        for line_number, line in enumerate(file, 1):
             if line.strip():
                 try:
                     parse(line, fmt)
-                except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from None
-                rows.append((offset, lineno))
+                except ValueError as error:
+                    raise ValueError(f"{path}:{line_number}: {error}") from None
+                rows.append((offset, line_number))
             offset += len(line)
     return rows
 
 
-def load(tokenizer, f, path, fmt, row):
-    """(ids, mask) of the conversation at row = (offset, line) of the open file f. Raises ValueError
+def load(tokenizer, file, path, fmt, row):
+    """(ids, mask) of the conversation at row = (offset, line) of the open file. Raises ValueError
     'path:line: what is wrong' (a chat template that cannot mask this conversation, for one)."""
-    f.seek(row[0])
+    offset, line_number = row
+    file.seek(offset)
     try:
-        messages, tools = parse(f.readline(), fmt)
+        messages, tools = parse(file.readline(), fmt)
         if fmt == "rstar2":
             return agent.render_conversation(tokenizer, messages, tools)
         return render_chat(tokenizer, messages, tools)
-    except ValueError as e:
-        raise ValueError(f"{path}:{row[1]}: {e}") from None
-    except (TypeError, jinja2.TemplateError) as e:  # raised while rendering (a template's raise_exception)
-        raise ValueError(f"{path}:{row[1]}: chat template: {type(e).__name__}: {e}") from None
+    except ValueError as error:
+        raise ValueError(f"{path}:{line_number}: {error}") from None
+    except (TypeError, jinja2.TemplateError) as error:
+        # raised while rendering (a template's raise_exception)
+        raise ValueError(f"{path}:{line_number}: chat template: "
+                         f"{type(error).__name__}: {error}") from None
 
 
 def epoch_order(sizes, weights, seed, epoch):
     """The (file, conversation) pairs of one epoch, shuffled: file j gives weights[j] × sizes[j] of them."""
     items = []
-    for j, (n, w) in enumerate(zip(sizes, weights)):
-        idx = list(range(n)) * int(w)
-        if w > int(w):  # a fresh random share each epoch (int tuples hash the same in every process)
-            g = torch.Generator().manual_seed(hash((seed, epoch, j)))
-            idx += torch.randperm(n, generator=g)[:round((w - int(w)) * n)].tolist()
-        items += [(j, i) for i in idx]
-    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    return [items[i] for i in order]
+    for file_index, (size, weight) in enumerate(zip(sizes, weights)):
+        # every conversation ⌊weight⌋ times
+        rows = list(range(size)) * int(weight)
+        if weight > int(weight):
+            # a fresh random share each epoch (int tuples hash the same in every process)
+            generator = torch.Generator().manual_seed(hash((seed, epoch, file_index)))
+            share = round((weight - int(weight)) * size)
+            rows += torch.randperm(size, generator=generator)[:share].tolist()
+        items += [(file_index, row) for row in rows]
+    generator = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(items), generator=generator).tolist()
+    return [items[index] for index in order]
 
 
 # -----------------------------------------------------------------------------
@@ -175,14 +194,17 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import load_trainable
-    from common import Logger, compute_cleanup, compute_init, full_value, pack, print0, resolve_model
+    from common import (Logger, compute_cleanup, compute_init, full_value, pack, print0,
+                        resolve_model)
     from configurator import configure
     from model import collate, save_model, token_logprobs, use_flash
     from scheduler import gather
 
     model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)
-    data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]  # [(JSONL path, "rstar2" | "chat", weight), ...]
-    chat_template = ""  # a jinja file used instead of the tokenizer's own chat template ("chat" files)
+    # [(JSONL path, "rstar2" | "chat", weight), ...]
+    data_mix = [("out/data/sft.jsonl", "rstar2", 1.0)]
+    # a jinja file used instead of the tokenizer's own chat template ("chat" files)
+    chat_template = ""
     out_dir = "out/tiny-sft"  # the SFT model is written here in HF format
     epochs = 3  # paper: 3
     lr = 5e-6  # paper: 5e-6 (peak; cosine decay to lr_min_ratio · lr)
@@ -200,36 +222,43 @@ if __name__ == "__main__":
     wandb_project = ""
     cfg = configure(globals())
 
-    if max_seq_len > max_tokens_per_micro:  # a conversation must fit one micro-batch
-        sys.exit(f"config error: max_seq_len={max_seq_len} > max_tokens_per_micro={max_tokens_per_micro}: raise "
-                 "max_tokens_per_micro or lower max_seq_len")
+    # a conversation must fit one micro-batch
+    if max_seq_len > max_tokens_per_micro:
+        sys.exit(f"config error: max_seq_len={max_seq_len} > "
+                 f"max_tokens_per_micro={max_tokens_per_micro}: raise max_tokens_per_micro or "
+                 "lower max_seq_len")
     rank, world, device = compute_init(seed)
     model_path = resolve_model(model_path)
-    packed = use_flash(device, getattr(torch, dtype))  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
+    # packed rows for flash-attn's varlen kernel, padded batches for SDPA
+    packed = use_flash(device, getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat_template:
-        with open(chat_template) as f:
-            tokenizer.chat_template = f.read()
+        with open(chat_template) as template_file:
+            tokenizer.chat_template = template_file.read()
 
     # data: every line is checked up front (errors name the file and line), then streamed by offset
     mix = []
     for entry in data_mix:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and entry[1] in ("rstar2", "chat")
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3
+                and entry[1] in ("rstar2", "chat")
                 and isinstance(entry[2], (int, float)) and entry[2] >= 0):
-            sys.exit(f"config error: data_mix entries are (path, 'rstar2' | 'chat', weight >= 0), got {entry!r}")
+            sys.exit("config error: data_mix entries are (path, 'rstar2' | 'chat', weight >= 0), "
+                     f"got {entry!r}")
         path, fmt, weight = entry
         if fmt == "chat" and not tokenizer.chat_template:
-            sys.exit(f"config error: {path} is a 'chat' file, but {model_path}'s tokenizer has no chat template; "
-                     "set chat_template=FILE")
+            sys.exit(f"config error: {path} is a 'chat' file, but {model_path}'s tokenizer has no "
+                     "chat template; set chat_template=FILE")
         try:
             rows = index_file(path, fmt)
-        except ValueError as e:
-            sys.exit(f"data error: {e}")
-        except OSError as e:
-            sys.exit(f"data error: {path}: cannot read it ({e.strerror})")
+        except ValueError as error:
+            sys.exit(f"data error: {error}")
+        except OSError as error:
+            sys.exit(f"data error: {path}: cannot read it ({error.strerror})")
         mix.append((path, fmt, float(weight), rows, open(path, "rb")))
         print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
-    sizes, weights = [len(m[3]) for m in mix], [m[2] for m in mix]
+    # mix holds (path, format, weight, rows, open file)
+    sizes = [len(entry[3]) for entry in mix]
+    weights = [entry[2] for entry in mix]
     epoch_len = len(epoch_order(sizes, weights, seed, 0))
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
@@ -243,29 +272,40 @@ if __name__ == "__main__":
     print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
            f"({epoch_len} per epoch), {world} rank(s)")
 
-    step, skipped, trained = 0, 0, 0
+    step = 0
+    skipped = 0  # conversations longer than max_seq_len
+    trained = 0  # assistant tokens trained on
     for epoch in range(epochs):
+        # this epoch's (file, conversation) pairs, shuffled: the same on every rank
         order = epoch_order(sizes, weights, seed, epoch)
-        for b in range(steps_per_epoch):
-            t0 = time.perf_counter()
-            # cosine schedule with linear warm-up
+        for step_in_epoch in range(steps_per_epoch):
+            step_start = time.perf_counter()
+
+            # 1. the learning rate: cosine schedule with linear warm-up
             progress = max(0.0, (step - warmup) / max(1, total - warmup))
-            lr_now = lr * min((step + 1) / warmup, lr_min_ratio + (1 - lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+            cosine = lr_min_ratio + (1 - lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            lr_now = lr * min((step + 1) / warmup, cosine)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
-            # render this step's conversations: each rank renders every world-th one (a chat template is
-            # slow Python), then all ranks gather them all, in batch order, so all agree on the packing
-            items, mine = order[b * batch_size:(b + 1) * batch_size], []
-            for j, i in items[rank::world]:
-                path, fmt, _, rows, f = mix[j]
+
+            # 2. render this step's conversations: each rank renders every world-th one (a chat
+            # template is slow Python), then all ranks gather them all, in batch order, so all agree
+            # on the packing
+            step_items = order[step_in_epoch * batch_size:(step_in_epoch + 1) * batch_size]
+            my_renders = []  # (ids, mask) of each conversation this rank renders, or its error text
+            for file_index, row_index in step_items[rank::world]:
+                path, fmt, _, rows, file = mix[file_index]
                 try:
-                    mine.append(load(tokenizer, f, path, fmt, rows[i]))
-                except ValueError as e:
-                    mine.append(str(e))  # every rank must reach the gather, then all stop
-            shares = gather(mine)
+                    my_renders.append(load(tokenizer, file, path, fmt, rows[row_index]))
+                except ValueError as error:
+                    my_renders.append(str(error))  # every rank must reach the gather, then all stop
+            # renders_by_rank[r] is rank r's list: item k of the step was rendered by rank k % world
+            renders_by_rank = gather(my_renders)
+
+            # 3. the batch in order, shifted for next-token targets; too long ones skipped, counted
             batch = []
-            for k in range(len(items)):
-                rendered = shares[k % world][k // world]
+            for position in range(len(step_items)):
+                rendered = renders_by_rank[position % world][position // world]
                 if isinstance(rendered, str):
                     sys.exit(f"data error: {rendered}")
                 ids, mask = rendered
@@ -273,32 +313,45 @@ if __name__ == "__main__":
                     skipped += 1
                     continue
                 batch.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask[1:]})
-            n_tokens = sum(sum(e["mask"]) for e in batch)  # token-mean over the whole batch, all ranks
+            # the loss is a token-mean over the whole batch, all ranks together
+            n_tokens = sum(sum(example["mask"]) for example in batch)
             trained += n_tokens
-            bins = pack([len(e["ids"]) for e in batch], max_tokens_per_micro, world)
+
+            # 4. forward and backward, one packed micro-batch at a time (this rank's share of the
+            # bins; every rank gets as many bins, so all run the same number of passes)
+            bins = pack([len(example["ids"]) for example in batch], max_tokens_per_micro, world)
+            # the step's loss, summed over this rank's micro-batches (then over the ranks, below)
             loss_sum = torch.zeros((), device=device)
-            for bin_ in bins[rank::world]:
-                mb = collate([batch[i] for i in bin_], device, packed)
-                lp = token_logprobs(model, mb["ids"], mb["tgt"], mb["seg"])  # (1, N)
-                loss = -(lp * mb["mask"]).sum() / max(1, n_tokens)
-                (loss * world).backward()  # FSDP averages over ranks; we already divided by the global count
+            for micro_bin in bins[rank::world]:
+                micro_batch = collate([batch[index] for index in micro_bin], device, packed)
+                logprobs = token_logprobs(model, micro_batch["ids"], micro_batch["tgt"],
+                                          micro_batch["seg"])  # (1, N)
+                loss = -(logprobs * micro_batch["mask"]).sum() / max(1, n_tokens)
+                # FSDP averages over ranks; we already divided by the global count
+                (loss * world).backward()
                 loss_sum += loss.detach()
+
+            # 5. the optimizer step (the gradient norm clipped to grad_clip), then the loss summed
+            # over the ranks
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if dist.is_initialized():
                 dist.all_reduce(loss_sum)
             step += 1
+
+            # 6. logging: metrics.jsonl every step, a progress line every log_every steps
+            # a DTensor norm made whole: a collective, every rank calls it
             grad_norm = full_value(grad_norm)
             logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
                               "skipped": skipped})
             if step % log_every == 0 or step == total:
                 print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
-                       f"dt {time.perf_counter() - t0:.2f}s")
+                       f"dt {time.perf_counter() - step_start:.2f}s")
 
     save_model(model, out_dir)
     if rank == 0:
         tokenizer.save_pretrained(out_dir)  # with the chat template the "chat" data was rendered by
-    print0(f"saved {out_dir}: {trained} assistant tokens trained; {skipped} conversation(s) longer than "
-           f"{max_seq_len} tokens skipped")
+    print0(f"saved {out_dir}: {trained} assistant tokens trained; {skipped} conversation(s) longer "
+           f"than {max_seq_len} tokens skipped")
     compute_cleanup()

@@ -4,7 +4,6 @@ hand-written expectations for parsing, truncation and answer extraction."""
 import json
 import random
 import re
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -419,13 +418,6 @@ def test_tool_response_text_through_the_sandbox_is_the_release_text():
 # -----------------------------------------------------------------------------
 # answers and reward
 
-@pytest.fixture(scope="module")
-def grader():
-    g = grading.Grader(None)  # one math-verify helper for this thread, kept across the tests
-    yield g
-    g.close()
-
-
 def boxed(inner):
     return f"<reason>...</reason>\n<answer>\\boxed{{{inner}}}</answer>"
 
@@ -461,75 +453,6 @@ def test_the_answer_is_the_final_turns_outside_tool_calls():
     assert agent.extract_answer(["<answer>\\boxed{3}" + code + "</answer>"]) is None
 
 
-def test_reward(grader):
-    def r(inner, gold):
-        return grader.reward(boxed(inner), gold)
-    assert r("110", "110") == 1.0
-    assert r("-0012", "-12") == 1.0
-    assert r("111", "110") == 0.0
-    assert r("\\frac{1}{2}", "0.5") == 1.0  # math-verify
-    assert r("\\frac{1}{2}", "1/2") == 1.0
-    assert r("\\dfrac12", "\\frac{1}{2}") == 1.0
-    assert r("\\frac{1}{3}", "0.5") == 0.0
-    assert r("1,000", "1000") == 1.0
-    assert grader.reward("<reason>the answer is \\boxed{110}</reason>", "110") == 0.0  # missing <answer>
-    assert grader.reward("\\boxed{110} <answer>\\boxed{7}</answer>", "110") == 0.0  # boxed outside <answer>
-    assert grader.reward("<answer>\\boxed{7}</answer> <answer>\\boxed{110}</answer>", "110") == 1.0  # last counts
-    assert grader.reward("<answer>\\boxed{110}</answer> <answer>\\boxed{7}</answer>", "110") == 0.0
-    with pytest.raises(ValueError, match="gold answer must be a string"):
-        grader.reward("<answer>\\boxed{1}</answer>", 1)
-    assert grading.reward(boxed("\\frac{2}{4}"), "0.5") == 1.0  # the one-shot function: its own helper
-
-
-def test_hedges_score_zero(grader):
-    # math-verify alone pays 1 for each of these against gold 7: it reads one side of the relation
-    for hedge in ["8 = 7", "7 \\approx 8", "x = 8 = 7", "8 \\equiv 7", "8 \\sim 7", "8 := 7", "7 \\approxeq 8"]:
-        assert grader.reward(boxed(hedge), "7") == 0.0, hedge
-    # a name on one side is an answer, and equal numbers are no hedge
-    for answer in ["x = 7", "m + n = 7", "f(2) = 7", "\\frac{14}{2} = 7", "7 = 7", "x \\approx 7"]:
-        assert grader.reward(boxed(answer), "7") == 1.0, answer
-    assert grader.reward(boxed("\\frac{1}{3} \\approx 0.333333"), "\\frac{1}{3}") == 1.0
-    assert grader.reward(boxed("a = 7, b = 8"), "(7, 8)") == 1.0
-
-
-def test_a_percent_is_its_number(grader):
-    # math-verify pays \boxed{700\%} against both 7 and 700; the rule reads it as 700
-    assert grader.reward(boxed("700\\%"), "700") == 1.0
-    assert grader.reward(boxed("700\\%"), "7") == 0.0
-    assert grader.reward(boxed("700\\%"), "700\\%") == 1.0
-    assert grader.reward(boxed("7"), "700\\%") == 0.0
-    assert grader.reward(boxed("12.5\\%"), "12.5") == 1.0
-    assert grader.reward(boxed("\\frac{1}{2}\\%"), "0.5") == 1.0
-
-
-def test_spacing_and_separators(grader):
-    # math-verify alone refuses all but {,} of these: 1\,000 parses as 1*0
-    for answer in ["1\\,000", "1 000", "1\u00a0000", "1\u202f000", "1\u2009000", "1\\;000", "1\\ 000", "1~000",
-                   "1{,}000", "1000\u200b", "\u200b1000", " 1000 "]:
-        assert grader.reward(boxed(answer), "1000") == 1.0, ascii(answer)
-    assert grader.reward(boxed("1\\,000\\,000"), "1000000") == 1.0
-    assert grader.reward(boxed("1\\,000.5"), "1000.5") == 1.0
-    assert grader.reward(boxed("\\frac{1}{2}\u200b"), "0.5") == 1.0
-    assert grader.reward(boxed("1000"), "1\\,000") == 1.0  # the gold is normalised too
-    assert grader.reward(boxed("1 00"), "100") == 0.0  # not a group of three: not a separator
-    assert grader.reward(boxed("10 000"), "1000") == 0.0
-
-
-def test_answers_beyond_the_limits_are_refused(grader):
-    # each of these cost the full timeout (5 s) in math-verify: now 0 before parsing, counted
-    grader.results()
-    for bomb in ["(" * 3000 + "1" + ")" * 3000, "\\left(" * 1000 + "1" + "\\right)" * 1000, "1" * 50_000,
-                 "0" * 120_000 + "x", "{" * 11 + "1" + "}" * 11]:
-        t0 = time.time()
-        assert grader.reward(boxed(bomb), "\\frac{1}{2}") == 0.0
-        assert time.time() - t0 < 1.0, bomb[:20]
-    assert grading.reward(boxed("1" * 50_000), "1" * 50_000) == 0.0  # even the right one: too long to be an answer
-    assert not grading._too_big("(" * grading.MAX_DEPTH + "1" + ")" * grading.MAX_DEPTH)
-    assert not grading._too_big("1" * grading.MAX_ANSWER_CHARS)
-    grader.results()
-    assert grader.stats["refused"] == 5 and grader.stats["timed_out"] == 0
-
-
 def test_readers_are_linear():
     # the lazy regexes rescanned the rest of the text from every unclosed tag: 97 s for a 120K \boxed{0...0x}
     # in the integer reader, 5 s for a turn of repeated <tool_call> in the call parser. Now each is a
@@ -540,7 +463,7 @@ def test_readers_are_linear():
                     (agent.count_answers, "</answer>" + "<answer>" * n),
                     (agent.extract_answer, "<answer>" * n + "\\boxed{" * n + "</answer>"),
                     (agent.extract_answer, "<tool_call>" * n + "<answer>\\boxed{1}</answer>"),
-                    (grading._plain_int, "0" * 200_000 + "x")]:
+                    (grading.plain_int, "0" * 200_000 + "x")]:
         assert len(text) > 100_000
         t0 = time.time()
         f(text)
@@ -551,32 +474,3 @@ def test_readers_are_linear():
         text = "".join(rng.choice(["<tool_call>", "</tool_call>", "x", "<"]) for _ in range(rng.randrange(12)))
         blocks = [text[a:b] for a, b in agent._blocks(text, "<tool_call>", "</tool_call>")]
         assert blocks == re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL), text
-
-
-@pytest.mark.timeout(120)  # a hang fails here, not at the suite-wide limit
-def test_reward_never_hangs():
-    g = grading.Grader(None, timeout=1.0)
-    g.reward(boxed("\\frac{2}{4}"), "0.5")  # helper started, so timing below is verify only
-    for bomb in ["9^{9^{9^{9}}}", "(10^{8})!"]:
-        t0 = time.time()
-        assert g.reward(boxed(bomb), "1") == 0.0
-        assert time.time() - t0 < 5.0, bomb
-    # the helper was killed and comes back for the next call
-    assert g.reward(boxed("\\frac{1}{2}"), "0.5") == 1.0
-    g.results()
-    assert (g.stats["timed_out"], g.stats["helper_starts"]) == (2, 3)
-    g.close()
-
-
-def test_reward_from_threads(grader):
-    out = {}
-
-    def work(k, inner, gold):
-        out[k] = grader.reward(f"<answer>\\boxed{{{inner}}}</answer>", gold)  # each thread gets its own helper
-    cases = [("\\frac{3}{4}", "0.75", 1.0), ("\\sqrt{4}", "2", 1.0), ("\\frac{1}{5}", "0.25", 0.0), ("12", "12", 1.0)]
-    threads = [threading.Thread(target=work, args=(k, a, g)) for k, (a, g, _) in enumerate(cases)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert out == {k: want for k, (_, _, want) in enumerate(cases)}

@@ -21,8 +21,8 @@ import sympy
 
 import agent
 import data
-import grading
 from common import read_jsonl, write_jsonl as common_write_jsonl
+from tasks import math as math_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +97,7 @@ def test_sft_conversation():
     assert [m["role"] for m in clean] == ["user", "assistant", "tool", "assistant"]
     assert clean[2]["content"] == "Tool call success\nstdout: 403\n\nexecution time: 0.01s"  # the real output of the code
     assert clean[1]["tool_calls"][0]["function"]["arguments"] == {"code": "print(12 * 34 - 5)", "input": ""}
-    assert grading.reward(clean[-1]["content"], "403") == 1.0
+    assert math_task.reward(clean[-1]["content"], "403") == 1.0
     for seed in range(6):
         buggy = data.sft_conversation(problem, random.Random(seed), run_inprocess, error_rate=1.0)
         assert [m["role"] for m in buggy] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]

@@ -13,9 +13,9 @@ import pytest
 
 import agent
 import eval as ev
-import grading
 from rollout import Trajectory
 from scheduler import summarize
+from tasks import math as math_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +62,7 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
                    turns=turns, finish=finish, meta={"answer": gold, "problem": problem})
-    reward = grading.reward(text, gold)
+    reward = math_task.reward(text, gold)
     grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
              "pred": agent.extract_answer(text)}
     return summarize(t, grade)  # what eval keeps of a trajectory

@@ -19,10 +19,10 @@ import pytest
 import agent
 import data
 import eval as ev
-import grading
 from common import read_jsonl
 from rollout import Trajectory
 from scheduler import summarize
+from tasks import math as math_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL = Path(__file__).resolve().parent / "fixtures" / "rl"
@@ -179,7 +179,7 @@ def graded(problem, sample, gold, answer):
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1], response_ids=[5] * 4, mask=[1] * 4, tool_calls=[],
                    turns=1, finish="stop", meta={"answer": gold, "problem": problem})
-    reward = grading.reward(text, gold)
+    reward = math_task.reward(text, gold)
     grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
              "pred": agent.extract_answer(text)}
     return summarize(t, grade)

@@ -160,3 +160,115 @@ def test_a_task_file_that_lacks_a_piece_is_named(tmp_path):
         grading.load_task(str(tmp_path / "half.py"))
     with pytest.raises(FileNotFoundError, match="nowhere.py"):
         grading.load_task("tasks/nowhere.py")
+
+# ----------------------------------------------------------------------------- the math task's reward rule
+
+
+@pytest.fixture(scope="module")
+def grader():
+    g = grading.Grader(None)  # one math-verify helper for this thread, kept across the tests
+    yield g
+    g.close()
+
+
+def boxed(inner):
+    return f"<reason>...</reason>\n<answer>\\boxed{{{inner}}}</answer>"
+
+
+def test_reward(grader):
+    def r(inner, gold):
+        return MATH.reward(boxed(inner), gold, grader)
+    assert r("110", "110") == 1.0
+    assert r("-0012", "-12") == 1.0
+    assert r("111", "110") == 0.0
+    assert r("\\frac{1}{2}", "0.5") == 1.0  # math-verify
+    assert r("\\frac{1}{2}", "1/2") == 1.0
+    assert r("\\dfrac12", "\\frac{1}{2}") == 1.0
+    assert r("\\frac{1}{3}", "0.5") == 0.0
+    assert r("1,000", "1000") == 1.0
+    # missing <answer>; boxed outside <answer>; the last block counts
+    assert MATH.reward("<reason>the answer is \\boxed{110}</reason>", "110", grader) == 0.0
+    assert MATH.reward("\\boxed{110} <answer>\\boxed{7}</answer>", "110", grader) == 0.0
+    assert MATH.reward("<answer>\\boxed{7}</answer> <answer>\\boxed{110}</answer>", "110", grader) == 1.0
+    assert MATH.reward("<answer>\\boxed{110}</answer> <answer>\\boxed{7}</answer>", "110", grader) == 0.0
+    with pytest.raises(ValueError, match="gold answer must be a string"):
+        MATH.reward("<answer>\\boxed{1}</answer>", 1, grader)
+    assert MATH.reward(boxed("\\frac{2}{4}"), "0.5") == 1.0  # without a grader: one of its own
+    # grade() is reward() on the row's gold, correct when it is 1
+    assert MATH.grade({"answer": "0.5"}, "\\frac{2}{4}", [boxed("\\frac{2}{4}")], grader) == (1.0, True)
+    assert MATH.grade({"answer": "0.5"}, "3", [boxed("3")], grader) == (0.0, False)
+
+
+# the relation forms math-verify reads one side of: issue 46's sixteen, then what else its parser
+# (latex2sympy2_extended's grammar: ASSIGNMENT, EQUAL, APPROX, IN, the limit arrows, TRANSFORM_EXCHANGE,
+# \xrightarrow) and its fallback (a relation the parser refuses: the rightmost number is read) accept
+ISSUE_46 = ["\\to", "\\Rightarrow", "\\iff", "\\implies", "\\mapsto", "\\rightarrow", "\\Leftrightarrow",
+            "\\overset{?}{=}", "\\stackrel{?}{=}", "\\thickapprox", "\\backsim", "\\eqsim", "\\asymp",
+            "\\fallingdotseq", "\uff1d"]
+GRAMMAR = ["=", "==", ":=", "\\equiv", "\\approx", "~=", "\\in", "\\longrightarrow", "\\Longrightarrow",
+           "<->", "<=>", "\\leftrightarrow", "\\xrightarrow{f}", "\\xRightarrow{}"]
+GRAMMAR += list("\u2261\u2263\u225f\u224e\u224f\u2250\u2251\u2252\u2253\u2254\u2255\u2256\u2257"
+                "\u2248\u224a\u224b\u2243\u2245")  # ≡ ≣ ≟ ≎ ≏ ≐ ≑ ≒ ≓ ≔ ≕ ≖ ≗ and ≈ ≊ ≋ ≃ ≅
+FALLBACK = ["\\sim", "\\simeq", "\\cong", "\\doteq", "\\Doteq", "\\propto", "\\coloneqq", "\\Coloneqq",
+            "\\eqqcolon", "\\eqcirc", "\\bumpeq", "\\Bumpeq", "\\vdash", "\\ni",
+            "\\notin", "\\subset", "\\mid", "\\parallel", "\\perp", "\\prec", "\\succeq", "\\ll",
+            "\\nleq", "\\nsim", "\\ncong", "\\therefore", "\\because", "\\Leftarrow", "\\impliedby",
+            "\\longmapsto", "\\hookrightarrow", "\\nRightarrow", "\\underset{?}{=}",
+            "\\stackrel{\\text{def}}{=}", "->", "=>", "==>", "=:", "::=", "~", "\u2192", "\u21d2", "\u21a6",
+            "\u27f9", "\u21d4", "\u223c", "\u221d", "\u2208", "\u2234", "\u22a2", "\u2282", "\uff5e", "\ufe66",
+            "\u2a75"]
+
+
+def test_every_relation_math_verify_reads_one_side_of_is_a_hedge(grader):
+    from math_verify import parse, verify  # the reference, here in the test's process
+    for relation in ISSUE_46 + GRAMMAR + FALLBACK:
+        pair = [f"8 {relation} 7", f"7 {relation} 8"]
+        alone = [verify(parse("\\boxed{7}"), parse(f"\\boxed{{{answer}}}")) for answer in pair]
+        assert any(alone), relation  # math-verify alone pays one of them: it reads one side
+        assert [MATH.reward(boxed(answer), "7", grader) for answer in pair] == [0.0, 0.0], relation
+        # a relation between equal numbers is no hedge
+        assert MATH.reward(boxed(f"7 {relation} 7"), "7", grader) == 1.0, relation
+    # a side with a name in it is an answer, not a number; one that simplifies to a number is a number
+    for answer in ["x \\to 7", "x \\mapsto 7", "n \\equiv 7", "x \\sim 7", "x \uff1d 7"]:
+        assert MATH.reward(boxed(answer), "7", grader) == 1.0, answer
+    for hedge in ["8 = 7 + 0 \\cdot x", "8 = 7 + x - x", "8 \\to 7 + 0 \\cdot y"]:
+        assert MATH.reward(boxed(hedge), "7", grader) == 0.0, hedge
+    # a relation inside braces is not one of the answer's: the limit's arrow, the sum's index
+    assert MATH.reward(boxed("\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1"), "1", grader) == 1.0
+    assert MATH.reward(boxed("\\sum_{k=1}^{7} k = 28"), "28", grader) == 1.0
+    # the orderings math-verify reads whole are not split: 0 < x < 7 is an interval
+    assert MATH.reward(boxed("x \\in [0, 7]"), "[0, 7]", grader) == 1.0
+
+
+def test_hedges_score_zero(grader):
+    # math-verify alone pays 1 for each of these against gold 7: it reads one side of the relation
+    for hedge in ["8 = 7", "7 \\approx 8", "x = 8 = 7", "8 \\equiv 7", "8 \\sim 7", "8 := 7", "7 \\approxeq 8"]:
+        assert MATH.reward(boxed(hedge), "7", grader) == 0.0, hedge
+    # a name on one side is an answer, and equal numbers are no hedge
+    for answer in ["x = 7", "m + n = 7", "f(2) = 7", "\\frac{14}{2} = 7", "7 = 7", "x \\approx 7"]:
+        assert MATH.reward(boxed(answer), "7", grader) == 1.0, answer
+    assert MATH.reward(boxed("\\frac{1}{3} \\approx 0.333333"), "\\frac{1}{3}", grader) == 1.0
+    assert MATH.reward(boxed("a = 7, b = 8"), "(7, 8)", grader) == 1.0
+
+
+def test_a_percent_is_its_number(grader):
+    # math-verify pays \boxed{700\%} against both 7 and 700; the rule reads it as 700
+    assert MATH.reward(boxed("700\\%"), "700", grader) == 1.0
+    assert MATH.reward(boxed("700\\%"), "7", grader) == 0.0
+    assert MATH.reward(boxed("700\\%"), "700\\%", grader) == 1.0
+    assert MATH.reward(boxed("7"), "700\\%", grader) == 0.0
+    assert MATH.reward(boxed("12.5\\%"), "12.5", grader) == 1.0
+    assert MATH.reward(boxed("\\frac{1}{2}\\%"), "0.5", grader) == 1.0
+
+
+def test_spacing_and_separators(grader):
+    # math-verify alone refuses all but {,} of these: 1\,000 parses as 1*0
+    for answer in ["1\\,000", "1 000", "1\u00a0000", "1\u202f000", "1\u2009000", "1\\;000", "1\\ 000",
+                   "1~000", "1{,}000", "1000\u200b", "\u200b1000", " 1000 "]:
+        assert MATH.reward(boxed(answer), "1000", grader) == 1.0, ascii(answer)
+    assert MATH.reward(boxed("1\\,000\\,000"), "1000000", grader) == 1.0
+    assert MATH.reward(boxed("1\\,000.5"), "1000.5", grader) == 1.0
+    assert MATH.reward(boxed("\\frac{1}{2}\u200b"), "0.5", grader) == 1.0
+    assert MATH.reward(boxed("1000"), "1\\,000", grader) == 1.0  # the gold is normalised too
+    assert MATH.reward(boxed("1 00"), "100", grader) == 0.0  # not a group of three: not a separator
+    assert MATH.reward(boxed("10 000"), "1000", grader) == 0.0
