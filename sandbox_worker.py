@@ -9,7 +9,7 @@ one call at a time over JSON lines on stdin/stdout, and every call starts from n
      memory, so it costs no copy): the code is pid 2 there and cannot name its worker, the trainer or any
      other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
   3. a forked child that takes its rlimits, then the slot's uid, a user namespace and an IPC namespace of its own
-     (fresh user and session keyrings; no SysV object or POSIX message queue of anyone else) and no
+     (no SysV object or POSIX message queue of anyone else, no keyring call: the syscall filter) and no
      capabilities, and runs the code as the release's harness runs it (_run_as_release); where the pool could
      make one, the worker's cgroup caps the memory and processes of the whole call, and the call's processes
      are the first the kernel kills in it;
@@ -62,7 +62,6 @@ LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the cal
 #                    flush what it printed and end it, before it kills the call itself
 CALL_DIR = "/tmp/call"  # each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
-KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl syscall (glibc has no wrapper)
 INIT_STACK = ctypes.create_string_buffer(1 << 16)  # the stack of each call's init, which only ever calls pause()
 
 # ------------------------------------------------------------------------------------------------
@@ -345,16 +344,25 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
+        for fd in cfg["cgroups"]:  # the call's own memory and pids cgroups (as root: the uid is still the worker's)
+            os.write(fd, b"0")
         for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
             os.dup2(fd, i)  # below is reported in the call's stderr)
         os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
-        # 1) a session and limits of its own
+        # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
+        # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC  # (the worker's)
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
+        # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
+        # holds CAP_SYS_RESOURCE, so the kernel keeps 1000 as the least the call may set; a normal user cannot)
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: our /proc/self files are ours to write
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
         # 2) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), then
         # with bwrap its own namespaces, with no capabilities
         uid = cfg["uid"]
@@ -365,6 +373,12 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
         if cfg["mode"] != "none":
             _own_namespaces(libc, uid)
+        # last, the syscall filter (sandbox.DENIED; the steps above make the very syscalls it denies), given to
+        # prctl as a struct sock_fprog: the number of 8-byte instructions, a pointer to them
+        if cfg["seccomp"]:
+            bpf = ctypes.create_string_buffer(bytes.fromhex(cfg["seccomp"]))
+            fprog = struct.pack("HL", len(bpf) // 8, ctypes.addressof(bpf))  # (its NUL does not make a ninth byte)
+            _check(libc.prctl(22, 2, fprog, 0, 0), "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
@@ -414,19 +428,15 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
 
 def _own_namespaces(libc, uid):
     """A user namespace and an IPC namespace of the call's own, as `uid` (the process runs as it already), with no
-    capabilities. The kernel keeps a user keyring per uid per user namespace, so the call's is new; the IPC
-    namespace holds no SysV object or POSIX message queue of anyone else and takes the call's with it; a new
-    session keyring replaces the worker's."""
+    capabilities. The IPC namespace holds no SysV object or POSIX message queue of anyone else and takes the call's
+    with it. Keyrings: the syscall filter denies every keyring call, and /proc/keys lists only the keys of the
+    reader's own user namespace, so the keys of the worker's session keyring (the trainer's) stay unseen."""
     libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
-    with open("/proc/self/oom_score_adj", "w") as f:  # first in line when the cgroup runs out, never the worker
-        f.write("1000")
     _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
         with open(f"/proc/self/{name}", "w") as f:  # the same uid inside and out
             f.write(text)
     _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # none, in any namespace
-    if libc.syscall(KEYCTL[os.uname().machine], 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING, a new anonymous one
-        raise OSError(ctypes.get_errno(), "keyctl(JOIN_SESSION_KEYRING) failed")
 
 
 class _Reported(Exception):
@@ -516,7 +526,8 @@ RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")  # the paper's tool environme
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-             "/dev/stderr": "/proc/self/fd/2"}  # into the call's own /proc, as on any Linux
+             "/dev/stderr": "/proc/self/fd/2",  # into the call's own /proc, as on any Linux
+             "/dev/shm": CALL_DIR}  # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
 
 
 @functools.cache
