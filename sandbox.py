@@ -121,8 +121,9 @@ What it does not protect against:
   - with isolation="none" (the explicit opt-out, for trusted code): none of the namespace protections above
     apply (the call sees the whole host), no syscall filter, and a process that leaves its process group
     (setsid) can outlive the call.
-Needs Linux >= 5.3 (pidfd), bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, and user namespaces
-open to unprivileged processes even when the pool runs as root: each call makes one as its slot's uid (where a
+Needs Linux >= 5.3 (pidfd), bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
+/run (the uid claims' lock files stay there, one per block used), and user namespaces open to unprivileged
+processes even when the pool runs as root: each call makes one as its slot's uid (where a
 policy forbids it, e.g. Ubuntu 24.04's kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start, and
 its worker's error names the failing unshare).
 """

@@ -8,11 +8,12 @@ one call at a time over JSON lines on stdin/stdout, and every call starts from n
   2. a pid namespace of its own, held open by an init that does nothing (a clone of the worker that shares its
      memory, so it costs no copy): the code is pid 2 there and cannot name its worker, the trainer or any
      other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
-  3. a forked child that takes its rlimits, then the slot's uid, a user namespace and an IPC namespace of its own
-     (no SysV object or POSIX message queue of anyone else, no keyring call: the syscall filter) and no
-     capabilities, and runs the code as the release's harness runs it (_run_as_release); where the pool could
-     make one, the worker's cgroup caps the memory and processes of the whole call, and the call's processes
-     are the first the kernel kills in it;
+  3. a forked child that joins the call's cgroup where the pool could make one (it caps the memory and processes
+     of the whole call, and the worker is not in it), takes its rlimits and oom_score_adj 1000 (the first the
+     kernel kills), then the slot's uid, a user namespace and an IPC namespace of its own (no SysV object or
+     POSIX message queue of anyone else) and no capabilities, loads the syscall filter (sandbox.DENIED: no keyring
+     call, no new namespace, ...; last, as the steps before make the syscalls it denies), and runs the code as
+     the release's harness runs it (_run_as_release);
   4. its output is read until it exits or its deadline passes; killing the init then ends every process the
      call started (a pid namespace dies with its init), and the status is decided (rules in sandbox.py).
 
@@ -117,8 +118,11 @@ def main(cfg):
     rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
     rep.flush()
     os.dup2(null, 2)
-    for line in req:  # the pool closing our stdin ends the loop (and, as pid 1, the namespace)
+    # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
+    for line in req:
+        # the request: code, stdin, timeout
         r = json.loads(line)
+        # run it from nothing in a forked child (_call), then answer with its Result's fields
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
         rep.write((json.dumps(out) + "\n").encode())
         rep.flush()
@@ -176,6 +180,7 @@ def _isolation_problems(cfg):
 
 def _warm(rich):
     import importlib
+    # import each preloaded module, or refuse to start naming the one that failed
     for name in PRELOAD + (RICH if rich else ()):
         try:
             importlib.import_module(name)
@@ -201,9 +206,11 @@ def _warm(rich):
     libc, huge = _libc(), 2 << 20
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     with open("/proc/self/maps") as f:
+        # one mapping a line: keep the writable anonymous ones and the heap
         for line in f:
             fields = line.split()
             if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
+                # its whole 2 MiB pages, if it holds any, collapsed into huge pages
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
                 if hi > lo:
@@ -310,6 +317,7 @@ def _collect(pid, fds, deadline, cap):
 
     def pump(fd, reads=1):  # read what is there, keep up to the cap, count the rest
         for _ in range(reads):
+            # one read: nothing there yet, or the end of the pipe (it is closed: stop watching it)
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
@@ -318,14 +326,17 @@ def _collect(pid, fds, deadline, cap):
                 poller.unregister(fd)
                 live.discard(fd)
                 return
+            # keep what fits under the cap, count the rest as dropped
             keep = max(0, cap + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
             dropped[fd] += len(chunk) - len(chunk[:keep])
 
     timed_out, exited = False, False
     while not exited and not timed_out:
+        # the time left: none left is a timeout (the poll below then only looks, without waiting)
         left = deadline - time.monotonic()
         timed_out = left <= 0
+        # what is ready: the pidfd says the call's process exited, a pipe has output to pump
         for fd, _ in poller.poll(max(left, 0) * 1000):
             if fd == pidfd:
                 exited = True
@@ -417,6 +428,7 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             with contextlib.suppress(BaseException):
                 f.flush()
         msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
+        # the last word on fd 3, written whole (a pipe may take it in parts)
         while msg:
             msg = msg[os.write(3, msg):]
     except BaseException:
@@ -558,6 +570,7 @@ def view(dists=RICH_DISTS):
     # 2) the distributions and their requirements (extras aside): the top-level entries of their RECORD
     todo, seen, sos = list(dists), set(), [os.path.realpath(python())]
     while todo:
+        # the next distribution not yet seen, or a note of it missing (only the asked-for ones must be there)
         name = todo.pop()
         if name.lower() in seen:
             continue
@@ -567,9 +580,11 @@ def view(dists=RICH_DISTS):
         except importlib.metadata.PackageNotFoundError:
             missing.append(f"the {name} package (pip install {name})") if name in dists else None
             continue
+        # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
             where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
             need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
+        # its shared objects (for ldd below) and its requirements (to visit next)
         sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
                 if f.parts[0] != ".." and ".so" in f.name]
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
@@ -583,6 +598,7 @@ def view(dists=RICH_DISTS):
         raise RuntimeError("sandbox: refusing to start: ldd is missing (it finds the libraries the tool needs)")
     # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
     for line in out.stdout.splitlines():
+        # the path after "=>" (or the line's own, for the loader), when it is one
         lib = line.split("=>")[-1].split("(")[0].strip()
         if line.startswith("\t") and lib.startswith("/"):
             need(lib)
