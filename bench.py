@@ -652,7 +652,7 @@ def sandbox_bench(isolation, timeout=4.0):
         async with contextlib.AsyncExitStack() as pools:
             pool = await pools.enter_async_context(SandboxPool(workers=cores, timeout=timeout, isolation=isolation))
             built = sandbox._seccomp
-            sandbox._seccomp = lambda: ""  # the worker loads no filter when it gets none
+            sandbox._seccomp = lambda: b""  # bwrap then gets no filter to load
             try:
                 unfiltered = await pools.enter_async_context(
                     SandboxPool(workers=cores, timeout=timeout, isolation=isolation))

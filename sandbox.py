@@ -25,8 +25,8 @@ Layout (one box per worker, two workers per slot; the worker's code is sandbox_w
       run() / map() / submit() ─► FIFO       ┌────────────────────────────────────────────────────┐
       one thread per slot ─── JSON line ──► │ worker = pid 1 of the namespace, lean or rich warm │
         watchdog: timeout + 2 s   ◄───────── │  per call, from nothing: a tmpfs, a pid namespace, │
-                                             │  fork ─► child: cgroup, rlimits, the slot's uid,   │
-                                             │  user + IPC namespaces, seccomp filter, exec(code) │
+                                             │  fork ─► child: cgroup, rlimits, IPC namespace,    │
+                                             │  the slot's uid, no capabilities, exec(code)       │
                                              │  wall deadline, then the call's namespace is killed │
                                              └────────────────────────────────────────────────────┘
 
@@ -81,11 +81,13 @@ What it cannot see: anything else of the host: home directories, the checkout, t
 What it protects against (each one is a test in tests/test_sandbox.py or tests/test_sandbox_fresh.py, which run
 its attacks as root and as a normal user):
   - reading the host: the view above;
-  - the kernel's wider surface: a seccomp filter on every call (built by libseccomp, sandbox._seccomp; loaded last
-    in the call's child) denies the keyring calls, new user namespaces (unshare, setns, clone with CLONE_NEWUSER,
-    clone3), io_uring, userfaultfd, bpf, perf_event_open, ptrace and the process_vm calls, mounts, kexec, modules
-    and the rest of DENIED with EPERM; a syscall through another ABI than the machine's (i386's int 0x80, x32)
-    kills the call. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual;
+  - the kernel's wider surface: a seccomp filter (built by libseccomp, _seccomp; loaded by bwrap for the worker,
+    so every call inherits it at no cost) denies the keyring calls, new user namespaces (unshare and clone with
+    CLONE_NEWUSER, clone3), io_uring, userfaultfd, bpf, perf_event_open, ptrace and the process_vm calls, the new
+    mount API, kexec, modules and the rest of DENIED with EPERM; a syscall through another ABI than the machine's
+    (i386's int 0x80, x32) kills the call. mount, umount2, setns and other unshares, which the worker makes for
+    each call, the filter allows and the kernel refuses to a call: it holds no capability in any namespace and
+    cannot make a user namespace. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual;
   - hangs and busy loops (wall deadline, then the call's pid namespace is killed), fork bombs (with a cgroup, its
     pids.max; without one, RLIMIT_NPROC), memory blow-ups (the cgroup, RLIMIT_AS), huge files and outputs
     (RLIMIT_FSIZE, the sized tmpfs, output caps), crashes and self-kills of the worker (it is replaced and the
@@ -102,8 +104,7 @@ its attacks as root and as a normal user):
     in blocks of 1,024, a block claimed per pool (a lock file in /run, where only root may make one, names it; a
     uid that /etc/passwd or any host process uses is skipped), with no capabilities and no_new_privs; two pools
     in separate namespaces of one kernel (containers) may take the same block, and then no per-uid count decides
-    anything where a pids cgroup bounds each call; as a normal user, with that user's uid in a user namespace of
-    the call's own;
+    anything where a pids cgroup bounds each call; as a normal user, with that user's uid and no capabilities;
   - refusals in bwrap's own words (e.g. a normal user where user namespaces are closed).
 What it does not protect against:
   - kernel bugs in what the filter allows (files, sockets, memory, signals, futexes: what Python needs);
@@ -122,10 +123,9 @@ What it does not protect against:
     apply (the call sees the whole host), no syscall filter, and a process that leaves its process group
     (setsid) can outlive the call.
 Needs Linux >= 5.3 (pidfd), bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
-/run (the uid claims' lock files stay there, one per block used), and user namespaces open to unprivileged
-processes even when the pool runs as root: each call makes one as its slot's uid (where a
-policy forbids it, e.g. Ubuntu 24.04's kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start, and
-its worker's error names the failing unshare).
+/run (the uid claims' lock files stay there, one per block used), and, as a normal user, user namespaces open to
+unprivileged processes (bwrap makes one; where a policy forbids it, e.g. Ubuntu 24.04's
+kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start in bwrap's own words).
 """
 
 import ast
@@ -163,13 +163,13 @@ CGROUP_SLACK = 64 << 20  # a call's cgroup holds `memory` and this: the pages of
 DENIED = (
     # the kernel's keyrings: a key outlives its call (it is freed asynchronously) and some are shared per user
     "add_key keyctl request_key "
-    # new namespaces and joining others: in a user namespace of its own a call holds every capability (nf_tables,
-    # raw sockets, mounts); clone and clone3 are filtered by their flags in _seccomp
-    "unshare setns "
+    # (new user namespaces, where a call would hold every capability (nf_tables, raw sockets, mounts): unshare and
+    # clone by their flags, clone3 always, in _seccomp; mount, umount2, setns and unshare without CLONE_NEWUSER the
+    # worker makes itself for each call, and the kernel refuses them to a call, which holds no capability)
     # interfaces with a long record of local privilege escalations, which Python code never needs
     "io_uring_setup io_uring_enter io_uring_register userfaultfd bpf perf_event_open "
-    # mounts, the new mount API, changing the root
-    "mount umount2 pivot_root chroot fsopen fsconfig fsmount fspick move_mount open_tree mount_setattr "
+    # the new mount API, changing the root
+    "pivot_root chroot fsopen fsconfig fsmount fspick move_mount open_tree mount_setattr "
     # reading or steering another process
     "ptrace process_vm_readv process_vm_writev pidfd_getfd kcmp "
     # the machine's own: kernels, modules, clocks, swap, the kernel log, raw I/O ports, file handles
@@ -219,7 +219,7 @@ class SandboxPool:
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
         self._view, self._uid_lock, self._cgroups = (), None, []
-        self._seccomp = ""  # the calls' syscall filter (BPF, hex), built at start()
+        self._seccomp = b""  # the syscall filter (BPF), built at start()
 
     # -- lifecycle
 
@@ -391,8 +391,7 @@ class SandboxPool:
                                "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
                                "host without isolation (trusted code only)")
         cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
-               "view": self._view, "mode": self.mode, "seccomp": self._seccomp, "oom_fd": None,
-               "cgroups": []}
+               "view": self._view, "mode": self.mode, "oom_fd": None, "cgroups": []}
         # where the host lets us, each call of this worker runs in a cgroup of the worker's own (_cgroup): the child
         # joins it through the fds of its cgroup.procs files; the worker reads its count of out-of-memory kills
         cgroup = self._cgroup() if os.geteuid() == 0 else None
@@ -400,6 +399,11 @@ class SandboxPool:
             cfg["oom_fd"] = os.open(os.path.join(cgroup[0], "memory.oom_control"), os.O_RDONLY)
             cfg["cgroups"] = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in cgroup]
         fds = [cfg["oom_fd"], *cfg["cgroups"]] if cgroup else []
+        if wrapper and self._seccomp:  # the syscall filter: bwrap reads it from a memfd, for the worker and its calls
+            fds.append(os.memfd_create("seccomp"))
+            os.write(fds[-1], self._seccomp)
+            os.lseek(fds[-1], 0, os.SEEK_SET)
+            wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
         argv = wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=_worker_env(), pass_fds=fds)
@@ -471,8 +475,8 @@ def _claim_uids(workers):
 
 
 def _seccomp():
-    """The calls' syscall filter, compiled to BPF by libseccomp (hex, for the worker's JSON config): DENIED,
-    clone with CLONE_NEWUSER and clone3 fail; everything else is allowed. Its architecture is this machine's: a
+    """The syscall filter of the workers and their calls, compiled to BPF by libseccomp (bwrap loads it): DENIED,
+    unshare and clone with CLONE_NEWUSER and clone3 fail; everything else is allowed. Its architecture is this machine's: a
     syscall made through another ABI (i386's int 0x80, x32's numbers) kills the process (the filter checks both)."""
     try:
         import pyseccomp as seccomp  # the ctypes twin of libseccomp's own Python bindings (same API)
@@ -484,14 +488,15 @@ def _seccomp():
     rules.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     for name in DENIED:
         rules.add_rule(eperm, name)
-    newuser = sandbox_worker.CLONE_NEWUSER  # clone's flags are its first argument on x86_64 and aarch64
-    rules.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, newuser, newuser))
+    newuser = sandbox_worker.CLONE_NEWUSER  # the flags are the first argument (clone's too, on x86_64 and aarch64)
+    for name in ("unshare", "clone"):
+        rules.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, newuser, newuser))
     # clone3 passes its flags in memory, where a filter cannot look: ENOSYS makes glibc fall back to clone
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     with tempfile.TemporaryFile() as bpf:
         rules.export_bpf(bpf)
         bpf.seek(0)
-        return bpf.read().hex()
+        return bpf.read()
 
 
 def _needs_rich(code):

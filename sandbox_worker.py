@@ -10,10 +10,12 @@ one call at a time over JSON lines on stdin/stdout, and every call starts from n
      other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
   3. a forked child that joins the call's cgroup where the pool could make one (it caps the memory and processes
      of the whole call, and the worker is not in it), takes its rlimits and oom_score_adj 1000 (the first the
-     kernel kills), then the slot's uid, a user namespace and an IPC namespace of its own (no SysV object or
-     POSIX message queue of anyone else) and no capabilities, loads the syscall filter (sandbox.DENIED: no keyring
-     call, no new namespace, ...; last, as the steps before make the syscalls it denies), and runs the code as
-     the release's harness runs it (_run_as_release);
+     kernel kills), an IPC namespace of its own (no SysV object or POSIX message queue of anyone else), then the
+     slot's uid and no capabilities in any namespace, and runs the code as the release's harness runs it
+     (_run_as_release). The syscall filter (sandbox.DENIED: no keyring call, no user namespace, no io_uring, ...)
+     is bwrap's, loaded once for the worker and inherited by every call at no cost: the worker's own per-call
+     steps (mount, umount2, unshare and setns without CLONE_NEWUSER) it allows, and the kernel refuses them to a
+     call, which holds no capability and cannot make a user namespace to get one;
   4. its output is read until it exits or its deadline passes; killing the init then ends every process the
      call started (a pid namespace dies with its init), and the status is decided (rules in sandbox.py).
 
@@ -57,7 +59,7 @@ import time
 import traceback
 import types
 
-NPROC = 64         # processes + threads one call may have (its own count: it has a user namespace of its own)
+NPROC = 64         # processes + threads one call may have (pids.max of its cgroup; else RLIMIT_NPROC)
 NOFILE = 256       # open files per call process
 LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
 #                    flush what it printed and end it, before it kills the call itself
@@ -374,22 +376,21 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: our /proc/self files are ours to write
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
-        # 2) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), then
-        # with bwrap its own namespaces, with no capabilities
+        # 2) with bwrap, an IPC namespace of its own (no SysV object or POSIX message queue of anyone else; it takes
+        # the call's with it), made while we still hold the worker's capabilities
+        if cfg["mode"] != "none":
+            _check(libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+        # 3) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), and no
+        # capability in any namespace; the syscall filter (sandbox.DENIED), bwrap's for the worker, is inherited
+        # and lets no call make a user namespace, where it would hold them all again
         uid = cfg["uid"]
         if uid is not None:
-            if os.geteuid() == 0:  # the slot's uid first: a user namespace's maps may name only the uid that makes it
+            if os.geteuid() == 0:
                 os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
-        if cfg["mode"] != "none":
-            _own_namespaces(libc, uid)
-        # last, the syscall filter (sandbox.DENIED; the steps above make the very syscalls it denies), given to
-        # prctl as a struct sock_fprog: the number of 8-byte instructions, a pointer to them
-        if cfg["seccomp"]:
-            bpf = ctypes.create_string_buffer(bytes.fromhex(cfg["seccomp"]))
-            fprog = struct.pack("HL", len(bpf) // 8, ctypes.addressof(bpf))  # (its NUL does not make a ninth byte)
-            _check(libc.prctl(22, 2, fprog, 0, 0), "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 again (a uid change reset it): our /proc/self files are ours
+        _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # a normal user held bwrap's
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
@@ -436,19 +437,6 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             os.write(2, traceback.format_exc().encode())
     finally:
         os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
-
-
-def _own_namespaces(libc, uid):
-    """A user namespace and an IPC namespace of the call's own, as `uid` (the process runs as it already), with no
-    capabilities. The IPC namespace holds no SysV object or POSIX message queue of anyone else and takes the call's
-    with it. Keyrings: the syscall filter denies every keyring call, and /proc/keys lists only the keys of the
-    reader's own user namespace, so the keys of the worker's session keyring (the trainer's) stay unseen."""
-    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
-    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
-        with open(f"/proc/self/{name}", "w") as f:  # the same uid inside and out
-            f.write(text)
-    _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # none, in any namespace
 
 
 class _Reported(Exception):

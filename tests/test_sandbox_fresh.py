@@ -33,9 +33,9 @@ THROWAWAY_UID = 12345
 ADD_KEY, KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}[platform.machine()]
 X86_64 = platform.machine() == "x86_64"
 NR = {"x86_64": {"unshare": 272, "clone": 56, "clone3": 435, "io_uring_setup": 425, "userfaultfd": 323,
-                 "perf_event_open": 298, "ptrace": 101},
+                 "perf_event_open": 298, "ptrace": 101, "mount": 165, "setns": 308},
       "aarch64": {"unshare": 97, "clone": 220, "clone3": 435, "io_uring_setup": 425, "userfaultfd": 282,
-                  "perf_event_open": 241, "ptrace": 117}}[platform.machine()]
+                  "perf_event_open": 241, "ptrace": 117, "mount": 40, "setns": 268}}[platform.machine()]
 # a call that makes raw syscalls: sc(number, *args) -> (result, errno); a clone that succeeded ends its child at once
 SYSCALL = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\ndef sc(*args):\n"
            "    result = libc.syscall(*args)\n"
@@ -85,6 +85,12 @@ USER_CASES = {
     # unshare, clone or clone3 (which glibc then retries as clone)
     "filter_on": [("print(open('/proc/self/status').read().split('Seccomp:')[1].split()[0])", "ok", "2\n")],
     "user_namespace": [(SYSCALL + f"print(*sc({NR['unshare']}, 0x10000000))", "ok", EPERM),
+                       # what the filter allows (the worker's own steps), the kernel refuses: no capability
+                       (SYSCALL + "print(*sc(NR_MOUNT, b'none', b'/tmp/call', b'tmpfs', 0, None))\n"
+                        "print(*sc(NR_SETNS, os.open('/proc/self/ns/net', os.O_RDONLY), 0))\n"
+                        "print(*sc(NR_UNSHARE, 0x20000000 | 0x00020000 | 0x08000000))"
+                        .replace("NR_MOUNT", str(NR["mount"])).replace("NR_SETNS", str(NR["setns"]))
+                        .replace("NR_UNSHARE", str(NR["unshare"])), "ok", EPERM * 3),
                        (SYSCALL + f"print(*sc({NR['clone']}, 0x10000000 | 17, 0, 0, 0, 0))", "ok", EPERM),
                        (SYSCALL + "args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)\n"
                         f"print(*sc({NR['clone3']}, args, 88))", "ok", "-1 38\n")],  # ENOSYS
