@@ -34,7 +34,7 @@ How a status is decided (first rule that matches):
     overloaded  the call waited more than `queue_timeout` seconds for a worker (it never ran; it is answered
                 when a worker takes it)
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
-    memory      the call went past its cgroup's cap and the kernel killed one of its processes
+    memory      the call went past its cgroup's cap (the kernel killed one of its processes, its worker the rest)
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
@@ -94,7 +94,9 @@ its attacks as root and as a normal user):
     call answered `crash`), stray threads and processes after the code returns (killed with the namespace,
     setsid or not);
   - the OOM killer aimed at the worker: with a cgroup, the call's is its own (the worker is not in it), so the
-    kernel's kill at the cap finds only the call's processes; each call's processes start at oom_score_adj 1000
+    kernel's kill at the cap finds only the call's processes, and its out-of-memory event (an eventfd on cgroup
+    v1's memory.oom_control) makes the worker end the rest of the call at once; each call's processes start at
+    oom_score_adj 1000
     (first in line when the host runs out), which as root holding CAP_SYS_RESOURCE it cannot lower;
   - writes to the host (nothing of it is writable), network access (empty network namespace: no
     interfaces but loopback, which is not the host's), signals, prlimit, renice or ptrace of the worker, the
@@ -115,8 +117,6 @@ What it does not protect against:
     separate containers that took the same uid block (or, as a normal user, every pool and host process of the
     user) share it; and the global OOM killer may pick the worker or the trainer if a call lowered its
     oom_score_adj (only a root holding CAP_SYS_RESOURCE pins it; docker's root does not hold it);
-  - with cgroup v1 the kernel kills one process of a call past its cap, not all of them (the call is answered
-    `memory` and ended at its deadline);
   - CPU: a call may use as many cores as it runs threads and processes (RLIMIT_CPU counts each process's own
     CPU time, the wall deadline ends them all), and can starve other workers' calls on a busy machine;
   - with isolation="none" (the explicit opt-out, for trusted code): none of the namespace protections above
@@ -391,14 +391,17 @@ class SandboxPool:
                                "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
                                "host without isolation (trusted code only)")
         cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
-               "view": self._view, "mode": self.mode, "oom_fd": None, "cgroups": []}
+               "view": self._view, "mode": self.mode, "oom_event": None, "cgroups": []}
         # where the host lets us, each call of this worker runs in a cgroup of the worker's own (_cgroup): the child
-        # joins it through the fds of its cgroup.procs files; the worker reads its count of out-of-memory kills
+        # joins it through the fds of its cgroup.procs files; an eventfd tells the worker when the call hits the cap
+        # (cgroup v1's notification of memory.oom_control), and the worker then ends the whole call
         cgroup = self._cgroup() if os.geteuid() == 0 else None
         if cgroup:
-            cfg["oom_fd"] = os.open(os.path.join(cgroup[0], "memory.oom_control"), os.O_RDONLY)
+            cfg["oom_event"] = os.eventfd(0, os.EFD_NONBLOCK)
+            with open(os.path.join(cgroup[0], "memory.oom_control")) as oom:
+                pathlib.Path(cgroup[0], "cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
             cfg["cgroups"] = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in cgroup]
-        fds = [cfg["oom_fd"], *cfg["cgroups"]] if cgroup else []
+        fds = [cfg["oom_event"], *cfg["cgroups"]] if cgroup else []
         if wrapper and self._seccomp:  # the syscall filter: bwrap reads it from a memfd, for the worker and its calls
             fds.append(os.memfd_create("seccomp"))
             os.write(fds[-1], self._seccomp)

@@ -143,6 +143,8 @@ def _prepare_calls(cfg, libc):
     else:
         cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
         cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
+    # where the pool made no cgroup, an eventfd of our own that nothing signals (the calls never hit a cgroup's cap)
+    cfg["oom_event"] = cfg["oom_event"] or os.eventfd(0, os.EFD_NONBLOCK)
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
@@ -235,7 +237,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     os.write(stdin_fd, stdin.encode(errors="replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
-    oom_kills = _oom_kills(cfg)
+    _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init(libc) if isolated else None
     sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
@@ -248,7 +250,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
-    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg["output_cap"])
+    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg)
     # 5) end it: killing the init ends every process of the namespace; unmounting its tmpfs frees its files
     if isolated:
         os.kill(init, signal.SIGKILL)
@@ -267,7 +269,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     ctl_status, has_value, value = outputs[2].rpartition("\0")[2].partition("\n")
     note, cpu = "", usage.ru_utime + usage.ru_stime
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
-    if _oom_kills(cfg) > oom_kills:  # the cgroup's cap: the kernel killed one of its processes
+    if _went_past_cap(cfg):  # the cgroup's cap: the kernel killed one of its processes, and we the rest
         status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
     elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
@@ -300,20 +302,23 @@ def _start_init(libc):
     return init
 
 
-def _oom_kills(cfg):
-    """How many processes the kernel has killed in this worker's call cgroup (memory.oom_control's oom_kill)."""
-    if cfg.get("oom_fd") is None:
-        return 0
-    return int(os.pread(cfg["oom_fd"], 4096, 0).decode().split("oom_kill ")[-1].split()[0])
+def _went_past_cap(cfg):
+    """Whether the kernel signalled out of memory in the call's cgroup since this was last asked (the eventfd the pool
+    registered for memory.oom_control; reading it resets it)."""
+    try:
+        return bool(os.read(cfg["oom_event"], 8))
+    except BlockingIOError:  # nothing signalled
+        return False
 
 
-def _collect(pid, fds, deadline, cap):
-    """Read the call's pipes until it exits or `deadline` passes: (texts, bytes dropped past `cap` per pipe, timed
-    out). The control pipe (the last) keeps 4 KiB more than `cap`: the value comes through it."""
+def _collect(pid, fds, deadline, cfg):
+    """Read the call's pipes until it exits, its cgroup runs out of memory (cfg's oom_event is readable) or
+    `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out). The control pipe (the last)
+    keeps 4 KiB more than the cap: the value comes through it."""
     bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
-    for fd in (*fds, pidfd):
+    for fd in (*fds, pidfd, cfg["oom_event"]):
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
 
@@ -329,7 +334,7 @@ def _collect(pid, fds, deadline, cap):
                 live.discard(fd)
                 return
             # keep what fits under the cap, count the rest as dropped
-            keep = max(0, cap + 4096 * (fd == fds[-1]) - len(bufs[fd]))
+            keep = max(0, cfg["output_cap"] + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
             dropped[fd] += len(chunk) - len(chunk[:keep])
 
@@ -338,9 +343,10 @@ def _collect(pid, fds, deadline, cap):
         # the time left: none left is a timeout (the poll below then only looks, without waiting)
         left = deadline - time.monotonic()
         timed_out = left <= 0
-        # what is ready: the pidfd says the call's process exited, a pipe has output to pump
+        # what is ready: the pidfd says the call's process exited (or the eventfd that it hit its memory cap: then
+        # it ends here, whole), a pipe has output to pump
         for fd, _ in poller.poll(max(left, 0) * 1000):
-            if fd == pidfd:
+            if fd in (pidfd, cfg["oom_event"]):
                 exited = True
             elif fd in live:
                 pump(fd)

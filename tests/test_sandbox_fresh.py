@@ -292,6 +292,19 @@ def test_memory_is_capped_per_call():
     assert same_workers, "a call's memory killed its worker"
 
 
+@pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs writable cgroup v1 memory and pids")
+def test_a_call_past_its_cap_is_ended_whole():
+    """With cgroup v1 the kernel killed one process of a call past its cap, and the rest ran on to the deadline: now
+    the cgroup's out-of-memory event ends the whole call at once (here 4 processes of 150 MB, the call's main
+    process asleep for 8 s), and the next call is honest."""
+    code = ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        x = b'x' * 150_000_000\n"
+            "        time.sleep(20)\n        os._exit(0)\ntime.sleep(8)\nprint('main done')")
+    with SandboxPool(workers=1, timeout=10.0) as pool:
+        results = pool.map([code, HONEST[0]])
+    assert [(r.status, r.stdout) for r in results] == [("memory", ""), ("ok", "42\n")], results
+    assert results[0].duration < 4.0, results[0]
+
+
 def holds_cap_sys_resource():
     with open("/proc/self/status") as f:
         caps = int(next(line for line in f if line.startswith("CapEff")).split()[1], 16)
