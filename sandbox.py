@@ -157,8 +157,9 @@ START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (
 # worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces, drop it
 # to the slot's uid and pin its oom_score_adj (CAP_SYS_RESOURCE); the child itself keeps none of them
 ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_RESOURCE")
-CGROUP_SLACK = 64 << 20  # a call's cgroup holds `memory` and this: the pages of the warm interpreter a call
-#                          dirties, so that a single process meets its own limits (MemoryError, a full tmpfs) first
+# a call's cgroup holds `memory` and this: the pages of the warm interpreter a call dirties, so that a single
+# process meets its own limits (MemoryError, a full tmpfs) first
+CGROUP_SLACK = 64 << 20
 # the syscalls no call may make (each fails with EPERM; sandbox_worker._child loads the filter, _seccomp builds it)
 DENIED = (
     # the kernel's keyrings: a key outlives its call (it is freed asynchronously) and some are shared per user
@@ -245,8 +246,8 @@ class SandboxPool:
             self.close()
             raise RuntimeError(self._errors[min(self._errors)])
         if not self._cgroups:  # said once: what then holds is in the module docstring
-            print("sandbox: no cgroup for the calls (root and writable cgroup v1 memory and pids needed): their "
-                  "memory is capped per process only", file=sys.stderr)
+            print("sandbox: no cgroup for the calls (it needs root and writable cgroup v1 memory and pids): "
+                  "their memory is capped per process only", file=sys.stderr)
         return self
 
     def close(self):
@@ -402,7 +403,8 @@ class SandboxPool:
                 pathlib.Path(cgroup[0], "cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
             cfg["cgroups"] = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in cgroup]
         fds = [cfg["oom_event"], *cfg["cgroups"]] if cgroup else []
-        if wrapper and self._seccomp:  # the syscall filter: bwrap reads it from a memfd, for the worker and its calls
+        # the syscall filter: bwrap reads it from a memfd and loads it for the worker, and so for its calls
+        if wrapper and self._seccomp:
             fds.append(os.memfd_create("seccomp"))
             os.write(fds[-1], self._seccomp)
             os.lseek(fds[-1], 0, os.SEEK_SET)
@@ -420,7 +422,8 @@ class SandboxPool:
             if hello is not None and json.loads(hello).get("ready"):
                 proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
                 return proc
-        except BrokenPipeError:  # it exited: its stderr says why (bwrap's own words, when bwrap refused)
+        # it exited: its stderr says why (bwrap's own words, when bwrap refused)
+        except BrokenPipeError:
             hello = None
         except Exception:  # no half-started worker
             _stop(proc, kill=True)
@@ -443,7 +446,8 @@ class SandboxPool:
                 os.mkdir(d)
                 self._cgroups.append(d)
             pathlib.Path(dirs[1], "pids.max").write_text(str(sandbox_worker.NPROC))
-            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):  # memsw: where swap is counted
+            # memsw: memory and swap together, where swap is counted
+            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
                 if os.path.exists(os.path.join(dirs[0], name)):
                     pathlib.Path(dirs[0], name).write_text(str(self.memory + CGROUP_SLACK))
         except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
@@ -481,17 +485,20 @@ def _seccomp():
     """The syscall filter of the workers and their calls, compiled to BPF by libseccomp (bwrap loads it): DENIED,
     unshare and clone with CLONE_NEWUSER and clone3 fail; everything else is allowed. Its architecture is this machine's: a
     syscall made through another ABI (i386's int 0x80, x32's numbers) kills the process (the filter checks both)."""
+    # pyseccomp: the ctypes twin of libseccomp's own Python bindings (the same API); RuntimeError: libseccomp.so.2
+    # itself is missing
     try:
-        import pyseccomp as seccomp  # the ctypes twin of libseccomp's own Python bindings (same API)
-    except (ImportError, RuntimeError) as e:  # RuntimeError: libseccomp.so.2 itself is missing
-        raise RuntimeError("sandbox: refusing to start: the syscall filter needs libseccomp and its Python bindings "
+        import pyseccomp as seccomp
+    except (ImportError, RuntimeError) as e:
+        raise RuntimeError("sandbox: refusing to start: the syscall filter needs libseccomp and pyseccomp "
                            f"(apt-get install libseccomp2; pip install pyseccomp; run.sh does both): {e}") from None
     rules = seccomp.SyscallFilter(seccomp.ALLOW)
     eperm = seccomp.ERRNO(errno.EPERM)
     rules.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     for name in DENIED:
         rules.add_rule(eperm, name)
-    newuser = sandbox_worker.CLONE_NEWUSER  # the flags are the first argument (clone's too, on x86_64 and aarch64)
+    # the flags are the first argument (clone's too, on x86_64 and aarch64)
+    newuser = sandbox_worker.CLONE_NEWUSER
     for name in ("unshare", "clone"):
         rules.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, newuser, newuser))
     # clone3 passes its flags in memory, where a filter cannot look: ENOSYS makes glibc fall back to clone

@@ -59,7 +59,7 @@ import time
 import traceback
 import types
 
-NPROC = 64         # processes + threads one call may have (pids.max of its cgroup; else RLIMIT_NPROC)
+NPROC = 64         # processes + threads a call may have (its cgroup's pids.max, else RLIMIT_NPROC)
 NOFILE = 256       # open files per call process
 LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
 #                    flush what it printed and end it, before it kills the call itself
@@ -269,7 +269,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     ctl_status, has_value, value = outputs[2].rpartition("\0")[2].partition("\n")
     note, cpu = "", usage.ru_utime + usage.ru_stime
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
-    if _went_past_cap(cfg):  # the cgroup's cap: the kernel killed one of its processes, and we the rest
+    # the cgroup's cap: the kernel killed one of its processes, and we the rest
+    if _went_past_cap(cfg):
         status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
     elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
@@ -363,7 +364,8 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
-        for fd in cfg["cgroups"]:  # the call's own memory and pids cgroups (as root: the uid is still the worker's)
+        # the call's own memory and pids cgroups (as root: the uid is still the worker's)
+        for fd in cfg["cgroups"]:
             os.write(fd, b"0")
         for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
             os.dup2(fd, i)  # below is reported in the call's stderr)
@@ -372,7 +374,8 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
-        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC  # (the worker's)
+        # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
@@ -395,8 +398,10 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
                 os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
-        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 again (a uid change reset it): our /proc/self files are ours
-        _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # a normal user held bwrap's
+        # PR_SET_DUMPABLE 1 again (a uid change reset it): our /proc/self files are ours; then no capabilities (a
+        # normal user's child held those bwrap gave the worker)
+        libc.prctl(4, 1, 0, 0, 0)
+        _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
@@ -533,7 +538,8 @@ ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library pa
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
              "/dev/stderr": "/proc/self/fd/2",  # into the call's own /proc, as on any Linux
-             "/dev/shm": CALL_DIR}  # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
+             # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
+             "/dev/shm": CALL_DIR}
 
 
 @functools.cache
