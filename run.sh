@@ -11,10 +11,13 @@ if [ ! -f .venv/.installed ] || ! cmp -s requirements.txt .venv/.installed; then
   .venv/bin/pip install --quiet -r requirements.txt
   cp requirements.txt .venv/.installed
 fi
-# the sandbox isolates tool code with bubblewrap; install it where we may (root with apt): without it the
-# sandbox refuses to start (or runs unisolated only with isolation="none", for trusted code)
-if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null 2>&1 || echo "note: could not install bubblewrap"
+# the sandbox isolates tool code with bubblewrap and filters its syscalls with libseccomp (through pyseccomp, pinned
+# in requirements.txt); install them where we may (root with apt): without them the sandbox refuses to start (or
+# runs unisolated only with isolation="none", for trusted code)
+if { ! command -v bwrap >/dev/null || ! ldconfig -p 2>/dev/null | grep -q libseccomp.so.2; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2) >/dev/null 2>&1 \
+    || echo "note: could not install bubblewrap and libseccomp2"
 fi
 # tests/test_view.py drives headless chromium (Debian's package): installed the same way, for the tests only
 if [ "${1:-}" = test ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

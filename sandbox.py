@@ -25,8 +25,8 @@ Layout (one box per worker, two workers per slot; the worker's code is sandbox_w
       run() / map() / submit() ─► FIFO       ┌────────────────────────────────────────────────────┐
       one thread per slot ─── JSON line ──► │ worker = pid 1 of the namespace, lean or rich warm │
         watchdog: timeout + 2 s   ◄───────── │  per call, from nothing: a tmpfs, a pid namespace, │
-                                             │  fork ─► child: cgroup, rlimits, user + IPC        │
-                                             │  namespaces, the slot's uid, exec(code)            │
+                                             │  fork ─► child: cgroup, rlimits, IPC namespace,    │
+                                             │  the slot's uid, no capabilities, exec(code)       │
                                              │  wall deadline, then the call's namespace is killed │
                                              └────────────────────────────────────────────────────┘
 
@@ -34,7 +34,7 @@ How a status is decided (first rule that matches):
     overloaded  the call waited more than `queue_timeout` seconds for a worker (it never ran; it is answered
                 when a worker takes it)
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
-    memory      the call went past its cgroup's cap and the kernel killed one of its processes
+    memory      the call went past its cgroup's cap (the kernel killed one of its processes, its worker the rest)
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
@@ -47,8 +47,8 @@ Knobs (keyword arguments; the training configs set them):
                    MAX_EXECUTION_TIME=4); run() can override it
     memory         the memory of one call, capped twice: (1) where the pool may make cgroups (root, cgroup v1
                    memory and pids controllers), all the memory of the call's processes, files, memfds and IPC
-                   together, at `memory` + 64 MiB past its warm worker (each worker and its calls have a cgroup),
-                   past which the kernel kills its processes first (status memory); (2) everywhere, each process's
+                   together, at `memory` + 64 MiB (the calls of each worker have a cgroup, which the worker is not
+                   in), past which the kernel kills a process of the call (status memory); (2) everywhere, each process's
                    address space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it
                    may write and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
                    override. Its limit is on a fresh python3 (+128 MiB for the interpreter) and ours on top of a
@@ -78,37 +78,54 @@ What a call can see (sandbox_worker.view(); every path read-only but its own tmp
 What it cannot see: anything else of the host: home directories, the checkout, the run's data,
   checkpoints and outputs (wherever they are, the host's /tmp included), /srv, /opt, /mnt, the trainer and
   other calls (other pid namespaces), the trainer's environment (workers get a fresh minimal one).
-What it protects against (each one is a test in tests/test_sandbox.py or tests/test_sandbox_fresh.py):
+What it protects against (each one is a test in tests/test_sandbox.py or tests/test_sandbox_fresh.py, which run
+its attacks as root and as a normal user):
   - reading the host: the view above;
-  - hangs and busy loops (wall deadline, then the call's pid namespace is killed), fork bombs (RLIMIT_NPROC
-    counted in the call's own user namespace, and pids.max), memory blow-ups (the cgroup, RLIMIT_AS), huge
-    files and outputs (RLIMIT_FSIZE, the sized tmpfs, output caps), crashes and self-kills of the worker (it is
-    replaced and the call answered `crash`), stray threads and processes after the code returns (killed with
-    the namespace, setsid or not);
+  - the kernel's wider surface: a seccomp filter (built by libseccomp, _seccomp; loaded by bwrap for the worker,
+    so every call inherits it at no cost) denies the keyring calls, new user namespaces (unshare and clone with
+    CLONE_NEWUSER, clone3), io_uring, userfaultfd, bpf, perf_event_open, ptrace and the process_vm calls, the new
+    mount API, kexec, modules and the rest of DENIED with EPERM; a syscall through another ABI than the machine's
+    (i386's int 0x80, x32) kills the call. mount, umount2, setns and other unshares, which the worker makes for
+    each call, the filter allows and the kernel refuses to a call: it holds no capability in any namespace and
+    cannot make a user namespace. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual;
+  - hangs and busy loops (wall deadline, then the call's pid namespace is killed), fork bombs (with a cgroup, its
+    pids.max; without one, RLIMIT_NPROC), memory blow-ups (the cgroup, RLIMIT_AS), huge files and outputs
+    (RLIMIT_FSIZE, the sized tmpfs, output caps), crashes and self-kills of the worker (it is replaced and the
+    call answered `crash`), stray threads and processes after the code returns (killed with the namespace,
+    setsid or not);
+  - the OOM killer aimed at the worker: with a cgroup, the call's is its own (the worker is not in it), so the
+    kernel's kill at the cap finds only the call's processes, and its out-of-memory event (an eventfd on cgroup
+    v1's memory.oom_control) makes the worker end the rest of the call at once; each call's processes start at
+    oom_score_adj 1000
+    (first in line when the host runs out), which as root holding CAP_SYS_RESOURCE it cannot lower;
   - writes to the host (nothing of it is writable), network access (empty network namespace: no
     interfaces but loopback, which is not the host's), signals, prlimit, renice or ptrace of the worker, the
     trainer or other calls (none of them has a pid in the call's namespace);
+  - keys: no keyring call at all, and /proc/keys and /proc/key-users are empty;
   - privilege and shared uids: as root, each slot's calls run as a uid of the pool's own, from 2,000,000,000 up
-    in blocks of 1,024, a block claimed per pool on the node (an abstract socket names it; a uid that /etc/passwd
-    or any host process uses is skipped), with no capabilities and no_new_privs; as a normal user, with that
-    user's uid in a user namespace of the call's own.
+    in blocks of 1,024, a block claimed per pool (a lock file in /run, where only root may make one, names it; a
+    uid that /etc/passwd or any host process uses is skipped), with no capabilities and no_new_privs; two pools
+    in separate namespaces of one kernel (containers) may take the same block, and then no per-uid count decides
+    anything where a pids cgroup bounds each call; as a normal user, with that user's uid and no capabilities;
+  - refusals in bwrap's own words (e.g. a normal user where user namespaces are closed).
 What it does not protect against:
-  - kernel exploits: there is no seccomp filter, so the whole syscall surface is reachable;
-  - a cap on the whole call's memory where the pool cannot make cgroups (a normal user; cgroup v2, not done):
-    RLIMIT_AS is per process, so a call may use (processes allowed) x `memory`, plus memfds and SysV segments,
-    which count against no rlimit, up to the size of RAM; and with cgroup v1 the kernel kills one process of a
-    call past its cap, not all of them (the call is answered `memory` and ended at its deadline);
-  - CPU fairness: a call can use its whole time budget on one core, and can starve other workers'
-    calls on an oversubscribed machine;
-  - as a normal user, every call runs as that user's uid: RLIMIT_NPROC counts the calls of every pool of the
-    user together, and host processes of that user too;
+  - kernel bugs in what the filter allows (files, sockets, memory, signals, futexes: what Python needs);
+  - where the pool cannot make cgroups (a normal user; cgroup v2, not done here; a container whose
+    /sys/fs/cgroup is read-only), which it says once at start: no cap on the whole call's memory: RLIMIT_AS is
+    per process, so a call may use (processes allowed) x `memory`, plus memfds and SysV segments, which count
+    against no rlimit, up to the size of RAM; RLIMIT_NPROC counts a uid's processes kernel-wide, so two pools in
+    separate containers that took the same uid block (or, as a normal user, every pool and host process of the
+    user) share it; and the global OOM killer may pick the worker or the trainer if a call lowered its
+    oom_score_adj (only a root holding CAP_SYS_RESOURCE pins it; docker's root does not hold it);
+  - CPU: a call may use as many cores as it runs threads and processes (RLIMIT_CPU counts each process's own
+    CPU time, the wall deadline ends them all), and can starve other workers' calls on a busy machine;
   - with isolation="none" (the explicit opt-out, for trusted code): none of the namespace protections above
-    apply (the call sees the whole host), and a process that leaves its process group (setsid) can outlive the
-    call.
-Needs Linux >= 5.3 (pidfd, a user keyring per user namespace), bubblewrap, ldd, and user namespaces open to
-unprivileged processes even when the pool runs as root: each call makes one as its slot's uid (where a policy
-forbids it, e.g. Ubuntu 24.04's kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start, and its
-worker's error names the failing unshare).
+    apply (the call sees the whole host), no syscall filter, and a process that leaves its process group
+    (setsid) can outlive the call.
+Needs Linux >= 5.3 (pidfd), bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
+/run (the uid claims' lock files stay there, one per block used), and, as a normal user, user namespaces open to
+unprivileged processes (bwrap makes one; where a policy forbids it, e.g. Ubuntu 24.04's
+kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start in bwrap's own words).
 """
 
 import ast
@@ -117,15 +134,17 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import pathlib
 import pwd
 import select
 import shutil
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -135,11 +154,30 @@ STATUSES = ("ok", "error", "timeout", "memory", "crash", "overloaded")
 ISOLATIONS = ("auto", "bwrap", "none")
 GRACE = 2.0        # seconds past a call's timeout before its worker counts as wedged and is replaced
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
-# worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces and
-# drop it to the slot's uid; the child itself keeps none of them
-ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID")
-CGROUP_SLACK = 64 << 20  # a worker's cgroup holds the warm worker, `memory` and this: the interpreter pages a call
-#                          dirties, so that a single process meets its own limits (MemoryError, a full tmpfs) first
+# worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces, drop it
+# to the slot's uid and pin its oom_score_adj (CAP_SYS_RESOURCE); the child itself keeps none of them
+ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_RESOURCE")
+# a call's cgroup holds `memory` and this: the pages of the warm interpreter a call dirties, so that a single
+# process meets its own limits (MemoryError, a full tmpfs) first
+CGROUP_SLACK = 64 << 20
+# the syscalls no call may make (each fails with EPERM; sandbox_worker._child loads the filter, _seccomp builds it)
+DENIED = (
+    # the kernel's keyrings: a key outlives its call (it is freed asynchronously) and some are shared per user
+    "add_key keyctl request_key "
+    # (new user namespaces, where a call would hold every capability (nf_tables, raw sockets, mounts): unshare and
+    # clone by their flags, clone3 always, in _seccomp; mount, umount2, setns and unshare without CLONE_NEWUSER the
+    # worker makes itself for each call, and the kernel refuses them to a call, which holds no capability)
+    # interfaces with a long record of local privilege escalations, which Python code never needs
+    "io_uring_setup io_uring_enter io_uring_register userfaultfd bpf perf_event_open "
+    # the new mount API, changing the root
+    "pivot_root chroot fsopen fsconfig fsmount fspick move_mount open_tree mount_setattr "
+    # reading or steering another process
+    "ptrace process_vm_readv process_vm_writev pidfd_getfd kcmp "
+    # the machine's own: kernels, modules, clocks, swap, the kernel log, raw I/O ports, file handles
+    "kexec_load kexec_file_load init_module finit_module delete_module reboot swapon swapoff acct quotactl syslog "
+    "settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt open_by_handle_at name_to_handle_at "
+    "lookup_dcookie uselib vhangup nfsservctl"
+).split()
 FIRST_UID, UID_BLOCK = 2_000_000_000, 1024  # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
 WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandbox (the view lists it)
 
@@ -182,6 +220,7 @@ class SandboxPool:
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
         self._view, self._uid_lock, self._cgroups = (), None, []
+        self._seccomp = b""  # the syscall filter (BPF), built at start()
 
     # -- lifecycle
 
@@ -191,6 +230,7 @@ class SandboxPool:
             raise RuntimeError("SandboxPool.start: a pool can be started once")
         if self.mode == "bwrap":  # raises, naming what is missing, before anything starts
             self._view = sandbox_worker.view(sandbox_worker.RICH_DISTS)
+            self._seccomp = _seccomp()
         if os.geteuid() == 0:
             self._uid_lock, first = _claim_uids(self.workers)
             self.uids = list(range(first, first + self.workers))
@@ -205,6 +245,9 @@ class SandboxPool:
         if self._errors:
             self.close()
             raise RuntimeError(self._errors[min(self._errors)])
+        if not self._cgroups:  # said once: what then holds is in the module docstring
+            print("sandbox: no cgroup for the calls (it needs root and writable cgroup v1 memory and pids): "
+                  "their memory is capped per process only", file=sys.stderr)
         return self
 
     def close(self):
@@ -227,7 +270,7 @@ class SandboxPool:
                 except OSError:
                     time.sleep(0.01)
         if self._uid_lock:
-            self._uid_lock.close()
+            os.close(self._uid_lock)
 
     def __enter__(self):
         return self.start()
@@ -349,19 +392,28 @@ class SandboxPool:
                                "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
                                "host without isolation (trusted code only)")
         cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
-               "view": self._view, "mode": self.mode, "oom_fd": None}
-        # where the host lets us, the worker starts in a cgroup of its own (a shell puts itself there, then becomes
-        # bwrap), and so do the calls it forks; it reads the cgroup's count of out-of-memory kills through an fd
-        cgroup, join = self._cgroup() if os.geteuid() == 0 else None, []
+               "view": self._view, "mode": self.mode, "oom_event": None, "cgroups": []}
+        # where the host lets us, each call of this worker runs in a cgroup of the worker's own (_cgroup): the child
+        # joins it through the fds of its cgroup.procs files; an eventfd tells the worker when the call hits the cap
+        # (cgroup v1's notification of memory.oom_control), and the worker then ends the whole call
+        cgroup = self._cgroup() if os.geteuid() == 0 else None
         if cgroup:
-            cfg["oom_fd"] = os.open(os.path.join(cgroup[0], "memory.oom_control"), os.O_RDONLY)
-            join = ["sh", "-c", 'echo $$ > "$1" && echo $$ > "$2" && shift 2 && exec "$@"', "sh",
-                    *[os.path.join(d, "cgroup.procs") for d in cgroup]]
-        argv = join + wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
+            cfg["oom_event"] = os.eventfd(0, os.EFD_NONBLOCK)
+            with open(os.path.join(cgroup[0], "memory.oom_control")) as oom:
+                pathlib.Path(cgroup[0], "cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
+            cfg["cgroups"] = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in cgroup]
+        fds = [cfg["oom_event"], *cfg["cgroups"]] if cgroup else []
+        # the syscall filter: bwrap reads it from a memfd and loads it for the worker, and so for its calls
+        if wrapper and self._seccomp:
+            fds.append(os.memfd_create("seccomp"))
+            os.write(fds[-1], self._seccomp)
+            os.lseek(fds[-1], 0, os.SEEK_SET)
+            wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
+        argv = wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_worker_env(), pass_fds=[cfg["oom_fd"]] if cgroup else [])
-        if cgroup:
-            os.close(cfg["oom_fd"])
+                                env=_worker_env(), pass_fds=fds)
+        for fd in fds:
+            os.close(fd)
         proc.buf = bytearray()
         try:
             os.set_blocking(proc.stdin.fileno(), False)
@@ -369,13 +421,11 @@ class SandboxPool:
             hello = read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
             if hello is not None and json.loads(hello).get("ready"):
                 proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
-                if cgroup:  # the cap: what the warm worker holds now, plus what one call may add
-                    cap = int(pathlib.Path(cgroup[0], "memory.usage_in_bytes").read_text()) + self.memory + CGROUP_SLACK
-                    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
-                        if os.path.exists(os.path.join(cgroup[0], name)):
-                            pathlib.Path(cgroup[0], name).write_text(str(cap))
                 return proc
-        except Exception:  # it died (a closed pipe), or its cgroup could not be capped: no half-started worker
+        # it exited: its stderr says why (bwrap's own words, when bwrap refused)
+        except BrokenPipeError:
+            hello = None
+        except Exception:  # no half-started worker
             _stop(proc, kill=True)
             raise
         _stop(proc, kill=True)
@@ -384,9 +434,9 @@ class SandboxPool:
         raise RuntimeError(f"sandbox: worker {slot} failed to start ({why.splitlines()[-1] if why else 'it exited'})")
 
     def _cgroup(self):
-        """A fresh cgroup (v1, memory and pids) for one worker and the calls it forks, below the pool's own, capped
-        at NPROC processes per call (and, once the worker is warm, at its memory plus what a call may add): its
-        memory and pids directories, or None where the host does not let us make them."""
+        """A fresh cgroup (v1, memory and pids) for the calls of one worker (one at a time), below the pool's own,
+        capped at NPROC processes and `memory` + CGROUP_SLACK: its memory and pids directories, or None where the
+        host does not let us make them. The worker is not in it: the kernel kills only the call when it is full."""
         try:
             with open("/proc/self/cgroup") as f:
                 own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
@@ -395,15 +445,21 @@ class SandboxPool:
             for d in dirs:
                 os.mkdir(d)
                 self._cgroups.append(d)
-            pathlib.Path(dirs[1], "pids.max").write_text(str(sandbox_worker.NPROC + 3))  # + bwrap, the worker, its init
+            pathlib.Path(dirs[1], "pids.max").write_text(str(sandbox_worker.NPROC))
+            # memsw: memory and swap together, where swap is counted
+            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+                if os.path.exists(os.path.join(dirs[0], name)):
+                    pathlib.Path(dirs[0], name).write_text(str(self.memory + CGROUP_SLACK))
         except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
             return None
         return dirs
 
 
 def _claim_uids(workers):
-    """A block of UID_BLOCK uids for this pool's slots, no other pool on the node holds (each holds an abstract
-    unix socket named after its block while it lives) and no host account or process uses: (the socket, first uid)."""
+    """A block of UID_BLOCK uids for this pool's slots, no other pool on the node holds and no host account or
+    process uses: (the fd of its lock, first uid). Each pool holds a lock (flock) on a file named after its block
+    in /run while it lives: only root may make files there, so no other user can hold a block's name and stop a
+    pool from starting (an abstract socket's name could be taken by anyone)."""
     in_use = {account.pw_uid for account in pwd.getpwall()}  # the host's accounts, then its processes' uids
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -413,16 +469,44 @@ def _claim_uids(workers):
             continue
     for block in range(1000):
         first = FIRST_UID + block * UID_BLOCK
-        lock = socket.socket(socket.AF_UNIX)
+        lock = os.open(f"/run/nano-rstar2-sandbox-uids-{first}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
-            lock.bind(f"\0nano-rstar2-sandbox-uids-{first}")
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another pool holds it
-            lock.close()
+            os.close(lock)
             continue
         if not any(uid in in_use for uid in range(first, first + workers)):
             return lock, first
-        lock.close()
+        os.close(lock)
     raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
+
+
+def _seccomp():
+    """The syscall filter of the workers and their calls, compiled to BPF by libseccomp (bwrap loads it): DENIED,
+    unshare and clone with CLONE_NEWUSER and clone3 fail; everything else is allowed. Its architecture is this machine's: a
+    syscall made through another ABI (i386's int 0x80, x32's numbers) kills the process (the filter checks both)."""
+    # pyseccomp: the ctypes twin of libseccomp's own Python bindings (the same API); RuntimeError: libseccomp.so.2
+    # itself is missing
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, RuntimeError) as e:
+        raise RuntimeError("sandbox: refusing to start: the syscall filter needs libseccomp and pyseccomp "
+                           f"(apt-get install libseccomp2; pip install pyseccomp; run.sh does both): {e}") from None
+    rules = seccomp.SyscallFilter(seccomp.ALLOW)
+    eperm = seccomp.ERRNO(errno.EPERM)
+    rules.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    for name in DENIED:
+        rules.add_rule(eperm, name)
+    # the flags are the first argument (clone's too, on x86_64 and aarch64)
+    newuser = sandbox_worker.CLONE_NEWUSER
+    for name in ("unshare", "clone"):
+        rules.add_rule(eperm, name, seccomp.Arg(0, seccomp.MASKED_EQ, newuser, newuser))
+    # clone3 passes its flags in memory, where a filter cannot look: ENOSYS makes glibc fall back to clone
+    rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as bpf:
+        rules.export_bpf(bpf)
+        bpf.seek(0)
+        return bpf.read()
 
 
 def _needs_rich(code):
@@ -462,7 +546,10 @@ def _wrapper(mode, view):
     mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "symlink": "--symlink"}
     args += [arg for op in view for arg in ([mounts[op[0]], *op[1:]] if op[0] in mounts else ["--tmpfs", op[1]])]
     ro = [arg for op in view if op[0] == "mask" for arg in ("--remount-ro", op[1])]
+    # /proc/keys and /proc/key-users covered: they list the keys of every user a reader's namespace maps (a normal
+    # user's own, the trainer's); the syscall filter denies every keyring call
     return ["bwrap", *ns, "--new-session", "--die-with-parent", "--as-pid-1", "--proc", "/proc",
+            "--dev-bind", "/dev/null", "/proc/keys", "--dev-bind", "/dev/null", "/proc/key-users",
             "--tmpfs", "/tmp", *args, "--dir", sandbox_worker.CALL_DIR, *ro, "--remount-ro", "/tmp",
             "--remount-ro", "/", "--chdir", "/", "--"]
 

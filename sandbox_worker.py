@@ -8,11 +8,14 @@ one call at a time over JSON lines on stdin/stdout, and every call starts from n
   2. a pid namespace of its own, held open by an init that does nothing (a clone of the worker that shares its
      memory, so it costs no copy): the code is pid 2 there and cannot name its worker, the trainer or any
      other call, so it cannot signal, re-limit (prlimit), renice or ptrace them;
-  3. a forked child that takes its rlimits, then the slot's uid, a user namespace and an IPC namespace of its own
-     (fresh user and session keyrings; no SysV object or POSIX message queue of anyone else) and no
-     capabilities, and runs the code as the release's harness runs it (_run_as_release); where the pool could
-     make one, the worker's cgroup caps the memory and processes of the whole call, and the call's processes
-     are the first the kernel kills in it;
+  3. a forked child that joins the call's cgroup where the pool could make one (it caps the memory and processes
+     of the whole call, and the worker is not in it), takes its rlimits and oom_score_adj 1000 (the first the
+     kernel kills), an IPC namespace of its own (no SysV object or POSIX message queue of anyone else), then the
+     slot's uid and no capabilities in any namespace, and runs the code as the release's harness runs it
+     (_run_as_release). The syscall filter (sandbox.DENIED: no keyring call, no user namespace, no io_uring, ...)
+     is bwrap's, loaded once for the worker and inherited by every call at no cost: the worker's own per-call
+     steps (mount, umount2, unshare and setns without CLONE_NEWUSER) it allows, and the kernel refuses them to a
+     call, which holds no capability and cannot make a user namespace to get one;
   4. its output is read until it exits or its deadline passes; killing the init then ends every process the
      call started (a pid namespace dies with its init), and the status is decided (rules in sandbox.py).
 
@@ -56,13 +59,12 @@ import time
 import traceback
 import types
 
-NPROC = 64         # processes + threads one call may have (its own count: it has a user namespace of its own)
+NPROC = 64         # processes + threads a call may have (its cgroup's pids.max, else RLIMIT_NPROC)
 NOFILE = 256       # open files per call process
 LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
 #                    flush what it printed and end it, before it kills the call itself
 CALL_DIR = "/tmp/call"  # each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
-KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl syscall (glibc has no wrapper)
 INIT_STACK = ctypes.create_string_buffer(1 << 16)  # the stack of each call's init, which only ever calls pause()
 
 # ------------------------------------------------------------------------------------------------
@@ -118,8 +120,11 @@ def main(cfg):
     rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
     rep.flush()
     os.dup2(null, 2)
-    for line in req:  # the pool closing our stdin ends the loop (and, as pid 1, the namespace)
+    # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
+    for line in req:
+        # the request: code, stdin, timeout
         r = json.loads(line)
+        # run it from nothing in a forked child (_call), then answer with its Result's fields
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
         rep.write((json.dumps(out) + "\n").encode())
         rep.flush()
@@ -138,6 +143,8 @@ def _prepare_calls(cfg, libc):
     else:
         cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
         cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
+    # where the pool made no cgroup, an eventfd of our own that nothing signals (the calls never hit a cgroup's cap)
+    cfg["oom_event"] = cfg["oom_event"] or os.eventfd(0, os.EFD_NONBLOCK)
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
@@ -177,6 +184,7 @@ def _isolation_problems(cfg):
 
 def _warm(rich):
     import importlib
+    # import each preloaded module, or refuse to start naming the one that failed
     for name in PRELOAD + (RICH if rich else ()):
         try:
             importlib.import_module(name)
@@ -202,9 +210,11 @@ def _warm(rich):
     libc, huge = _libc(), 2 << 20
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     with open("/proc/self/maps") as f:
+        # one mapping a line: keep the writable anonymous ones and the heap
         for line in f:
             fields = line.split()
             if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
+                # its whole 2 MiB pages, if it holds any, collapsed into huge pages
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
                 if hi > lo:
@@ -227,7 +237,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     os.write(stdin_fd, stdin.encode(errors="replace"))
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
-    oom_kills = _oom_kills(cfg)
+    _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init(libc) if isolated else None
     sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
@@ -240,7 +250,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
-    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg["output_cap"])
+    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg)
     # 5) end it: killing the init ends every process of the namespace; unmounting its tmpfs frees its files
     if isolated:
         os.kill(init, signal.SIGKILL)
@@ -259,7 +269,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     ctl_status, has_value, value = outputs[2].rpartition("\0")[2].partition("\n")
     note, cpu = "", usage.ru_utime + usage.ru_stime
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
-    if _oom_kills(cfg) > oom_kills:  # the cgroup's cap: the kernel killed one of its processes
+    # the cgroup's cap: the kernel killed one of its processes, and we the rest
+    if _went_past_cap(cfg):
         status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
     elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
@@ -292,25 +303,29 @@ def _start_init(libc):
     return init
 
 
-def _oom_kills(cfg):
-    """How many processes the kernel has killed in this worker's call cgroup (memory.oom_control's oom_kill)."""
-    if cfg.get("oom_fd") is None:
-        return 0
-    return int(os.pread(cfg["oom_fd"], 4096, 0).decode().split("oom_kill ")[-1].split()[0])
+def _went_past_cap(cfg):
+    """Whether the kernel signalled out of memory in the call's cgroup since this was last asked (the eventfd the pool
+    registered for memory.oom_control; reading it resets it)."""
+    try:
+        return bool(os.read(cfg["oom_event"], 8))
+    except BlockingIOError:  # nothing signalled
+        return False
 
 
-def _collect(pid, fds, deadline, cap):
-    """Read the call's pipes until it exits or `deadline` passes: (texts, bytes dropped past `cap` per pipe, timed
-    out). The control pipe (the last) keeps 4 KiB more than `cap`: the value comes through it."""
+def _collect(pid, fds, deadline, cfg):
+    """Read the call's pipes until it exits, its cgroup runs out of memory (cfg's oom_event is readable) or
+    `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out). The control pipe (the last)
+    keeps 4 KiB more than the cap: the value comes through it."""
     bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
-    for fd in (*fds, pidfd):
+    for fd in (*fds, pidfd, cfg["oom_event"]):
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
 
     def pump(fd, reads=1):  # read what is there, keep up to the cap, count the rest
         for _ in range(reads):
+            # one read: nothing there yet, or the end of the pipe (it is closed: stop watching it)
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
@@ -319,16 +334,20 @@ def _collect(pid, fds, deadline, cap):
                 poller.unregister(fd)
                 live.discard(fd)
                 return
-            keep = max(0, cap + 4096 * (fd == fds[-1]) - len(bufs[fd]))
+            # keep what fits under the cap, count the rest as dropped
+            keep = max(0, cfg["output_cap"] + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
             dropped[fd] += len(chunk) - len(chunk[:keep])
 
     timed_out, exited = False, False
     while not exited and not timed_out:
+        # the time left: none left is a timeout (the poll below then only looks, without waiting)
         left = deadline - time.monotonic()
         timed_out = left <= 0
+        # what is ready: the pidfd says the call's process exited (or the eventfd that it hit its memory cap: then
+        # it ends here, whole), a pipe has output to pump
         for fd, _ in poller.poll(max(left, 0) * 1000):
-            if fd == pidfd:
+            if fd in (pidfd, cfg["oom_event"]):
                 exited = True
             elif fd in live:
                 pump(fd)
@@ -345,26 +364,44 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
     exit_code = 70
     try:
+        # the call's own memory and pids cgroups (as root: the uid is still the worker's)
+        for fd in cfg["cgroups"]:
+            os.write(fd, b"0")
         for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
             os.dup2(fd, i)  # below is reported in the call's stderr)
         os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
-        # 1) a session and limits of its own
+        # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
+        # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
         cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
+        # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
                        (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, NPROC)):
+                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
-        # 2) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), then
-        # with bwrap its own namespaces, with no capabilities
+        # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
+        # holds CAP_SYS_RESOURCE, so the kernel keeps 1000 as the least the call may set; a normal user cannot)
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: our /proc/self files are ours to write
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+        # 2) with bwrap, an IPC namespace of its own (no SysV object or POSIX message queue of anyone else; it takes
+        # the call's with it), made while we still hold the worker's capabilities
+        if cfg["mode"] != "none":
+            _check(libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+        # 3) the slot's uid (None only with isolation "none" as a normal user: that user's, unchanged), and no
+        # capability in any namespace; the syscall filter (sandbox.DENIED), bwrap's for the worker, is inherited
+        # and lets no call make a user namespace, where it would hold them all again
         uid = cfg["uid"]
         if uid is not None:
-            if os.geteuid() == 0:  # the slot's uid first: a user namespace's maps may name only the uid that makes it
+            if os.geteuid() == 0:
                 os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)  # from root to non-root: all capabilities are dropped too
-        if cfg["mode"] != "none":
-            _own_namespaces(libc, uid)
+        # PR_SET_DUMPABLE 1 again (a uid change reset it): our /proc/self files are ours; then no capabilities (a
+        # normal user's child held those bwrap gave the worker)
+        libc.prctl(4, 1, 0, 0, 0)
+        _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
         signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
@@ -403,6 +440,7 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             with contextlib.suppress(BaseException):
                 f.flush()
         msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
+        # the last word on fd 3, written whole (a pipe may take it in parts)
         while msg:
             msg = msg[os.write(3, msg):]
     except BaseException:
@@ -410,23 +448,6 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             os.write(2, traceback.format_exc().encode())
     finally:
         os._exit(exit_code & 0xFF)  # skip atexit and stray threads: the call is over
-
-
-def _own_namespaces(libc, uid):
-    """A user namespace and an IPC namespace of the call's own, as `uid` (the process runs as it already), with no
-    capabilities. The kernel keeps a user keyring per uid per user namespace, so the call's is new; the IPC
-    namespace holds no SysV object or POSIX message queue of anyone else and takes the call's with it; a new
-    session keyring replaces the worker's."""
-    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1 (a uid change reset it): our /proc/self files are ours to write
-    with open("/proc/self/oom_score_adj", "w") as f:  # first in line when the cgroup runs out, never the worker
-        f.write("1000")
-    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWIPC), "unshare(CLONE_NEWUSER | CLONE_NEWIPC)")
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
-        with open(f"/proc/self/{name}", "w") as f:  # the same uid inside and out
-            f.write(text)
-    _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")  # none, in any namespace
-    if libc.syscall(KEYCTL[os.uname().machine], 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING, a new anonymous one
-        raise OSError(ctypes.get_errno(), "keyctl(JOIN_SESSION_KEYRING) failed")
 
 
 class _Reported(Exception):
@@ -516,7 +537,9 @@ RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")  # the paper's tool environme
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-             "/dev/stderr": "/proc/self/fd/2"}  # into the call's own /proc, as on any Linux
+             "/dev/stderr": "/proc/self/fd/2",  # into the call's own /proc, as on any Linux
+             # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
+             "/dev/shm": CALL_DIR}
 
 
 @functools.cache
@@ -547,6 +570,7 @@ def view(dists=RICH_DISTS):
     # 2) the distributions and their requirements (extras aside): the top-level entries of their RECORD
     todo, seen, sos = list(dists), set(), [os.path.realpath(python())]
     while todo:
+        # the next distribution not yet seen, or a note of it missing (only the asked-for ones must be there)
         name = todo.pop()
         if name.lower() in seen:
             continue
@@ -556,9 +580,11 @@ def view(dists=RICH_DISTS):
         except importlib.metadata.PackageNotFoundError:
             missing.append(f"the {name} package (pip install {name})") if name in dists else None
             continue
+        # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
             where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
             need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
+        # its shared objects (for ldd below) and its requirements (to visit next)
         sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
                 if f.parts[0] != ".." and ".so" in f.name]
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
@@ -572,6 +598,7 @@ def view(dists=RICH_DISTS):
         raise RuntimeError("sandbox: refusing to start: ldd is missing (it finds the libraries the tool needs)")
     # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/lib64/ld-linux-x86-64.so.2 (0x...)"
     for line in out.stdout.splitlines():
+        # the path after "=>" (or the line's own, for the loader), when it is one
         lib = line.split("=>")[-1].split("(")[0].strip()
         if line.startswith("\t") and lib.startswith("/"):
             need(lib)
