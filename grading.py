@@ -323,19 +323,28 @@ class Grader:
             self._stop(ident)
 
 
-def load_task(name):
-    """A task: a Python file ("tasks/math.py", relative to the checkout when not found from here) or an
-    importable module name ("tasks.math"). See tasks/math.py for what a task defines."""
+def load_file(name):
+    """A Python file ("tasks/math.py", relative to the checkout when not found from here) or an
+    importable module name ("tasks.math"); "file.py:function" is that function of it (a user's
+    advantage estimator or loss term in train_rl.py). The one loader of the user's own code."""
     import importlib.util
+    name, _, attribute = name.partition(":")
     if name.endswith(".py"):
         path = name if os.path.isfile(name) else os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"task file {name!r} not found")
+            raise FileNotFoundError(f"file {name!r} not found")
         spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        task = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(task)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     else:
-        task = importlib.import_module(name)
+        module = importlib.import_module(name)
+    # a missing function: the AttributeError names it
+    return getattr(module, attribute) if attribute else module
+
+
+def load_task(name):
+    """A task: a file or module as load_file reads it. See tasks/math.py for what a task defines."""
+    task = load_file(name)
     missing = [key for key in ("COLUMNS", "TOOLS", "prompt", "answer", "grade") if not hasattr(task, key)]
     if missing:
         raise ValueError(f"task {name!r} does not define {', '.join(missing)} (tasks/math.py shows what a task defines)")
