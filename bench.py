@@ -904,52 +904,80 @@ def tiny_rl_batch(n=64, seed=0, vocab=4096):
     return seqs
 
 
-def update_step(reps, max_tokens=4096):
+def update_step(reps, max_tokens=4096, kl_coef=0.05):
     """(u) the policy update of one tiny RL step (tiny_rl_batch, on data.prepare's tiny model shape, random
-    weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
-    micro-batches from common.pack (longest first into the emptiest bin, right-padded rows) and the output
-    layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
-    together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm."""
+    weights), the way train_rl.py did it before issue 32, the way it does it now, and now with the KL term
+    (kl_coef > 0, issue 42: a frozen reference's no_grad forward per micro-batch, then k3 in the loss),
+    interleaved: before, micro-batches from common.pack (longest first into the emptiest bin, right-padded rows)
+    and the output layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar
+    lengths together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm for
+    the first two; the reference's forward is timed on its own inside the third."""
     from common import pack, pack_sorted
+    from grpo_roc import kl_penalty
     from model import Config, Qwen
     cfg = Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen(cfg)
+    # the reference: frozen (train_rl.py: load_trainable(..., frozen=True)); the starting weights plus a little
+    # noise, so the KL is not 0 as it is at a run's first step
+    reference = Qwen(cfg)
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(torch.randn_like(param), alpha=0.01)
     seqs = tiny_rl_batch()
     lengths = [len(x["ids"]) for x in seqs]
     n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
     plans = {"before": (pack(lengths, max_tokens), False), "now": (pack_sorted(lengths, max_tokens), True)}
-    out = {}
+    plans["now + KL"] = plans["now"]
+    out, ref_times = {}, []
 
     def update(name):
         bins, at_loss = plans[name]
-        loss_sum, entropy = 0.0, 0.0
-        for idx in bins:
-            m = collate([seqs[i] for i in idx], "cpu", packed=False)
+        micros = [collate([seqs[i] for i in idx], "cpu", packed=False) for idx in bins]
+        if name == "now + KL":
+            # as train_rl.py: the reference's log-probs of every micro-batch first, under no_grad
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for m in micros:
+                    m["ref_logprobs"] = token_logprobs(reference, m["ids"], m["tgt"], m["seg"],
+                                                       where=m["mask"].bool())
+            ref_times.append(time.perf_counter() - t0)
+        loss_sum, entropy, kl = 0.0, 0.0, 0.0
+        for m in micros:
             where = m["mask"].bool() if at_loss else None
             lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
             loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
+            if "ref_logprobs" in m:
+                kl_mean = torch.where(m["mask"].bool(), kl_penalty(lp, m["ref_logprobs"]), 0.0).sum() / n_tokens
+                loss = loss + kl_coef * kl_mean
+                kl += float(kl_mean.detach())
             loss.backward()
             loss_sum, entropy = loss_sum + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out[name] = (loss_sum, entropy, norm)
-    (before, now), rounds = medians([lambda: update("before"), lambda: update("now")], reps)
+        out[name] = (loss_sum, entropy, norm, kl)
+    times, rounds = medians([lambda: update("before"), lambda: update("now"), lambda: update("now + KL")], reps)
     print(f"\n(u) the policy update of one tiny RL step: {len(seqs)} trajectories, {sum(lengths):,} tokens, "
           f"the loss on {int(n_tokens):,}; tiny model shape ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
           f"{cfg.vocab_size}), {rounds} rounds, load average {load():.2f}")
-    print(f"{'':8s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
-          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s}")
-    for name, t in (("before", before), ("now", now)):
+    print(f"{'':9s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
+          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s} {'loss/kl':>8s}")
+    for name, t in zip(plans, times):
         bins, at_loss = plans[name]
         slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
-        loss, ent, norm = out[name]
-        print(f"{name:8s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
-              f"{loss:12.8f} {ent:9.5f} {norm:10.6f}")
+        loss, ent, norm, kl = out[name]
+        print(f"{name:9s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
+              f"{loss:12.8f} {ent:9.5f} {norm:10.6f} {kl:8.1e}")
+    before, now, with_kl = times
     print(f"goal: the update >= x1.4 faster than before: x{before / now:.2f}")
+    ref = statistics.median(ref_times)
+    print(f"the KL term (kl_coef {kl_coef}): the update x{with_kl / now:.2f} ({with_kl - now:+.3f} s), of which the "
+          f"reference's forward (time/reference) {ref:.3f} s = {ref / now:.0%} of the update without it")
 
 
 def grading(tok, reps, prompts=8, samples=16):

@@ -55,12 +55,13 @@ def latest_checkpoint(run_dir, weights=False):
     return found[-1] if found else None
 
 
-def load_trainable(path, device, dtype, activation_checkpointing=False):
+def load_trainable(path, device, dtype, activation_checkpointing=False, frozen=False):
     """The model to train, fp32 master weights: under torchrun FSDP2 shards (dtype = compute dtype), each
     rank reading only its own part of the checkpoint; else one plain fp32 copy. A checkpoint's own shards
     (state/) are read when it has them, else its HF weights. Build the optimizer after this: FSDP
-    replaces the parameters it shards."""
-    model = load_model(path, device="meta")
+    replaces the parameters it shards. frozen=True: a reference model, sharded the same way but its
+    weights kept in dtype (bf16: half the memory of fp32 master weights), without gradients."""
+    model = load_model(path, device="meta", dtype=dtype if frozen else torch.float32)
     if dist.is_initialized():
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
     if os.path.isdir(os.path.join(path, "state")):
@@ -71,7 +72,7 @@ def load_trainable(path, device, dtype, activation_checkpointing=False):
     else:
         load_weights(model, path, device)
     model.gradient_checkpointing = activation_checkpointing
-    return model.train()
+    return model.requires_grad_(False) if frozen else model.train()
 
 
 def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):

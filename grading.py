@@ -301,17 +301,26 @@ class Grader:
             self._stop(ident)
 
 
-def load_task(name):
-    """A task: a Python file ("tasks/math.py", relative to the checkout when not found from here) or an
-    importable module name ("tasks.math"). See tasks/math.py for what a task defines."""
+def load_file(name):
+    """A Python file ("tasks/math.py", relative to the checkout when not found from here) or an
+    importable module name ("tasks.math"); "file.py:function" is that function of it (a user's
+    advantage estimator or loss term in train_rl.py). The one loader of the user's own code."""
+    name, _, attribute = name.partition(":")
     if name.endswith(".py"):
         here = os.path.dirname(os.path.abspath(__file__))
         path = name if os.path.isfile(name) else os.path.join(here, name)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"task file {name!r} not found")
-        task = _load_file(path)
+            raise FileNotFoundError(f"file {name!r} not found")
+        module = _load_file(path)
     else:
-        task = importlib.import_module(name)
+        module = importlib.import_module(name)
+    # a missing function: the AttributeError names it
+    return getattr(module, attribute) if attribute else module
+
+
+def load_task(name):
+    """A task: a file or module as load_file reads it. See tasks/math.py for what a task defines."""
+    task = load_file(name)
     pieces = ("COLUMNS", "TOOLS", "prompt", "answer", "grade")
     missing = [key for key in pieces if not hasattr(task, key)]
     if missing:

@@ -22,7 +22,8 @@ Why each piece (paper §2.2):
    the reward would discourage exploration.
 3. advantages are group-normalised over the G kept rollouts only (Eq. 7), one scalar per trajectory
    (other estimators: adv_scale, below).
-4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), with no KL and no entropy term.
+4. the loss is PPO-clip with clip-higher (eps_low 0.2, eps_high 0.28), with no KL and no entropy
+   term (kl_penalty and train_rl.py's loss_terms add them, off by default).
    Tool-output tokens have mask 0 and never contribute. Normalisation: Eq. 6 divides each question's
    token sum by that question's token count (1/sum|o_i| inside the expectation over questions); the
    released code takes verl's token-mean per micro-batch; policy_loss divides by num_tokens, the sampled
@@ -58,7 +59,14 @@ rewards that are not 0/1, one for RoC, the advantages and the labels:
 
 Advantage estimators (adv_scale), one function each in ADVANTAGES: "std" group-normalised (Eq. 7), "none"
 group mean only (Dr. GRPO), "batch" centred per group and scaled by the std over the whole batch (REINFORCE++'s
-global normalisation). A new one is one function and one entry.
+global normalisation). A new one lives in the user's own file, named by the config as
+"file.py:function" (examples/rloo.py: RLOO's leave-one-out baseline): a function of the (num_groups,
+G) rewards that returns one advantage per trajectory, the same shape; train_rl.py loads it and
+passes it to advantages() in place of a name.
+
+Extra loss terms (train_rl.py's loss_terms, and the KL to a frozen reference model, kl_coef):
+per-token values of the micro-batch, whose token-mean over the mini-batch, times a coefficient, is
+added to policy_loss's. kl_penalty is the one that ships (k1, k2, k3).
 
 Deviations from plain GRPO, and where the paper and the released code differ (both are available):
 - mode="sample" (default) is the paper's RoC rule, mode="deterministic" the released code's.
@@ -226,29 +234,33 @@ def adv_batch_std(rewards, eps=1e-6):
 ADVANTAGES = {"std": adv_group_std, "none": adv_group_mean, "batch": adv_batch_std}  # the adv_scale key's values
 LOSS_NORMS = ("token", "group", "sequence", "constant")  # the loss_norm key's values (loss_weights)
 RATIO_LEVELS = ("token", "sequence")  # the ratio_level key's values (policy_loss's seq_ids)
+KL_ESTIMATORS = ("k1", "k2", "k3")  # the kl_estimator key's values (kl_penalty)
 
 
-def check_loss_config(adv_scale, loss_norm, ratio_level):
-    """The loss's three keys, checked in one place; raises ValueError naming the key."""
+def check_loss_config(adv_scale, loss_norm, ratio_level, kl_estimator="k3"):
+    """The loss's keys, checked in one place; raises ValueError naming the key. adv_scale may also
+    name a user's estimator, "file.py:function" (train_rl.py loads it)."""
     for key, value, allowed in (("adv_scale", adv_scale, tuple(ADVANTAGES)), ("loss_norm", loss_norm, LOSS_NORMS),
-                                ("ratio_level", ratio_level, RATIO_LEVELS)):
-        if value not in allowed:
+                                ("ratio_level", ratio_level, RATIO_LEVELS),
+                                ("kl_estimator", kl_estimator, KL_ESTIMATORS)):
+        if value not in allowed and not (key == "adv_scale" and ".py:" in value):
             raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
 
 
 def advantages(rewards, scale="std", positive=None):
     """
     One advantage per kept rollout, by the estimator ADVANTAGES[scale] (default: Eq. 7, group-normalised
-    over the G kept). Each value is broadcast to every token of its trajectory by policy_loss.
+    over the G kept), or by scale itself when it is a function (a user's estimator, same contract).
+    Each value is broadcast to every token of its trajectory by policy_loss.
     positive: (num_groups, G) bool, RoC's side of each kept rollout (positives() of its 2G group); a
     positive's advantage is then max(A, 0), a negative's min(A, 0) (the module docstring's rule).
 
     rewards: (num_groups, G) float tensor. Returns the same shape.
     """
-    if rewards.dim() != 2 or rewards.size(1) < 2 or scale not in ADVANTAGES:
+    if rewards.dim() != 2 or rewards.size(1) < 2 or not callable(ADVANTAGES.get(scale, scale)):
         raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale one of {tuple(ADVANTAGES)}, got "
                          f"shape {tuple(rewards.shape)} and {scale!r}")
-    adv = ADVANTAGES[scale](rewards.float())  # (num_groups, G)
+    adv = ADVANTAGES.get(scale, scale)(rewards.float())  # (num_groups, G)
     if positive is None:
         return adv
     return torch.where(positive, adv.clamp(min=0.0), adv.clamp(max=0.0))
@@ -311,9 +323,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     are inf or nan).
     return_stats=True returns (loss, stats), stats holding detached 0-d tensors, means over this call's
     mask-1 tokens: clip_frac_high (A > 0 and rho > 1 + eps_high), clip_frac_low (A < 0 and
-    rho < 1 - eps_low), clip_frac (either: tokens whose gradient the clip zeroes), dual_clip_frac
-    (A < 0 and rho > c; 0 without dual_clip) and approx_kl (k3 estimator E[rho - 1 - log rho] of
-    KL(old || new)).
+    rho < 1 - eps_low), clip_frac (either: tokens whose gradient the clip zeroes). The KL to the
+    old policy: mismatch()'s "k3" (one optimizer step per RL step); to a frozen reference:
+    kl_penalty.
     """
     if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError(f"logprobs, old_logprobs and mask must all be (B, T), got {tuple(logprobs.shape)}, "
@@ -353,15 +365,29 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
         n = n_local.clamp(min=1)
         high = (adv > 0) & (ratio > 1.0 + eps_high) & mask  # (B, T)
         low = (adv < 0) & (ratio < 1.0 - eps_low) & mask  # (B, T)
-        dual = (adv < 0) & (ratio > dual_clip) & mask if dual_clip is not None else torch.zeros_like(mask)
         stats = {
             "clip_frac": (high | low).sum() / n,
             "clip_frac_low": low.sum() / n,
             "clip_frac_high": high.sum() / n,
-            "dual_clip_frac": dual.sum() / n,
-            "approx_kl": torch.where(mask, ratio - 1.0 - log_ratio, 0.0).sum() / n,
         }
     return loss, stats
+
+
+def kl_penalty(logprobs, ref_logprobs, kind="k3", **_):
+    """
+    Per-token estimates of KL(policy || reference) from tokens the policy sampled (Schulman 2020,
+    "Approximating KL divergence"), with d = ref_logprobs - logprobs, the log of the reference's
+    probability over the policy's:
+        k1 = -d            unbiased, noisy, negative on some tokens
+        k2 = d^2 / 2       biased as a value; its gradient is an unbiased one of the KL's
+        k3 = e^d - 1 - d   unbiased, >= 0 on every token, low variance (GRPO's; verl's "low_var_kl")
+    verl also clamps k3 at 10; here it is not clamped. Off the mask both log-probs are 0
+    (token_logprobs' `where`), so every estimate is 0 there. (B, T) in, (B, T) out, differentiable
+    in logprobs. A loss term (train_rl.py's loss_terms): called with the micro-batch's tensors as
+    keywords, it reads the two it needs.
+    """
+    d = ref_logprobs.detach() - logprobs  # (B, T)
+    return {"k1": -d, "k2": d ** 2 / 2, "k3": torch.exp(d) - 1 - d}[kind]
 
 
 # -----------------------------------------------------------------------------

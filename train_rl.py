@@ -96,9 +96,15 @@ eps_high = 0.28  # the ratio's upper clip: 1 + eps_high (clip-higher)
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
 mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
-adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr. GRPO), "batch"
+adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr.
+#                   GRPO), "batch", or the user's own "file.py:function" (examples/rloo.py)
 loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
+# extra loss terms, none in the paper (grpo_roc.py's docstring): + coefficient x a token-mean
+loss_terms = []  # [("file.py:function", coefficient), ...]: the user's, logged as loss/<function>
+kl_coef = 0.0  # > 0: + kl_coef x KL(policy || frozen reference), logged as loss/kl; 0: no reference
+kl_estimator = "k3"  # grpo_roc.kl_penalty: "k3" (verl's low_var_kl), "k1" or "k2"
+kl_ref = ""  # the frozen reference: "" = model_path, the run's start (with kl_coef 0: loss/kl only)
 max_tokens_per_micro = 4096  # tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
 activation_checkpointing = False  # recompute each layer's activations in the backward: less memory, more compute
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
@@ -118,9 +124,14 @@ cfg = configure(globals())
 # -----------------------------------------------------------------------------
 
 try:
-    grpo_roc.check_loss_config(adv_scale, loss_norm, ratio_level)
+    grpo_roc.check_loss_config(adv_scale, loss_norm, ratio_level, kl_estimator)
     task_module = grading.load_task(task)
-except (ValueError, FileNotFoundError) as e:
+    # the user's own estimator and loss terms, "file.py:function" (README "Fork it")
+    estimator = grpo_roc.ADVANTAGES.get(adv_scale) or grading.load_file(adv_scale)
+    # each term as (its metric, loss/<function>; the function; its coefficient)
+    terms = [("loss/" + spec.partition(":")[2], grading.load_file(spec), coef)
+             for spec, coef in loss_terms]
+except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
     raise SystemExit(f"config error: {e}")
 max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
 if max_len > max_tokens_per_micro:  # a whole trajectory in one micro-batch
@@ -163,6 +174,14 @@ init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
 policy = load_model(init_path, device="meta", dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+# the frozen reference of the KL term: the run's starting model (never a resumed checkpoint, never
+# saved), sharded like the policy, in dtype, without gradients or optimizer state; its log-probs
+# reach every loss term
+reference = None
+if kl_coef or kl_ref:
+    ref_path = resolve_model(kl_ref or model_path, "kl_ref")
+    reference = load_trainable(ref_path, device, ptdtype, frozen=True)
+    terms.append(("loss/kl", functools.partial(grpo_roc.kl_penalty, kind=kl_estimator), kl_coef))
 step, cursor = 0, 0
 if start:
     state = load_trainer_state(start, model, optimizer)
@@ -290,15 +309,16 @@ while step < steps:
         kept += [groups[group][index] for index in chosen]
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
-    t_train, t_exchange, grad_norm = time.perf_counter(), 0.0, 0.0
+    t_train, t_exchange, t_reference, grad_norm = time.perf_counter(), 0.0, 0.0, 0.0
     # every summed statistic of the update, per rank: token-weighted clip fraction and entropy, and the
     # engine-vs-trainer gap's sums (grpo_roc.mismatch); all are summed over ranks once, in step 4
-    sums = {key: torch.zeros((), device=device) for key in ("clip_frac", "entropy", "abs", "k3", "out", "n")}
+    sums = {key: torch.zeros((), device=device) for key in
+            ("clip_frac", "entropy", "abs", "k3", "out", "n", *(name for name, *_ in terms))}
     mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
         # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
         kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)  # (kept groups, G)
-        advantages = grpo_roc.advantages(kept_rewards, adv_scale,
+        advantages = grpo_roc.advantages(kept_rewards, estimator,
                                          torch.stack(kept_positive) if roc else None).flatten().tolist()
         for traj, advantage in zip(kept, advantages):
             traj.advantage, traj.kept = advantage, True
@@ -327,6 +347,21 @@ while step < steps:
             scaled = {index: advantages[index] * weight for index, weight in zip(part, weights)}
             micros = [micro_batch(kept, indices, scaled, tokens) for indices in bins]
             n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)), device=device)
+            if reference is not None:
+                # the reference's log-probs of the sampled tokens, a no_grad forward a micro-batch;
+                # then its root's gathered weights are freed (FSDP2 keeps a root's for a backward)
+                t_reference -= time.perf_counter()
+                with torch.no_grad():
+                    for micro in micros:
+                        micro["ref_logprobs"] = token_logprobs(
+                            reference, micro["ids"], micro["tgt"], micro["seg"],
+                            where=micro["mask"].bool())
+                if dist.is_initialized():
+                    reference.reshard()
+                # the clock stops when the GPU is done, not when its work is queued
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t_reference += time.perf_counter()
             old_logprobs = None
             if len(parts) > 1:
                 with torch.no_grad():
@@ -354,6 +389,16 @@ while step < steps:
                     logprobs, old, micro["adv"], mask, eps_low=eps_low, eps_high=eps_high,
                     dual_clip=dual_clip or None, num_tokens=n_tokens, weights=token_weights,
                     seq_ids=micro["traj_index"] if ratio_level == "sequence" else None, return_stats=True)
+                # extra loss terms (loss_terms, the KL): per-token values, whose token-mean over the
+                # mini-batch times the term's coefficient joins the loss
+                for name, term, coef in terms:
+                    values = term(logprobs=logprobs, old_logprobs=old, mask=mask,
+                                  engine_logprobs=engine_logprobs, advantages=micro["adv"],
+                                  ref_logprobs=micro.get("ref_logprobs"),
+                                  traj_index=micro["traj_index"])  # (B, T)
+                    term_mean = torch.where(mask, values, 0.0).sum() / n_tokens
+                    loss = loss + coef * term_mean
+                    sums[name] = sums[name] + term_mean.detach() / len(parts)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch, averaged over mini-batches (ranks: step 4)
@@ -385,12 +430,16 @@ while step < steps:
         "roc/groups_all_right": n_all_right / prompts_per_step, "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
         "loss/entropy": float(sums["entropy"]), "loss/clip_frac": float(sums["clip_frac"]),
         "loss/grad_norm": grad_norm, "loss/lr": optimizer.param_groups[0]["lr"],
+        # the extra loss terms' token-means (loss/kl, loss/<function>), before their coefficients
+        **{name: float(sums[name]) for name, *_ in terms},
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
         "mismatch/abs_mean": float(sums["abs"]) / n_loss, "mismatch/abs_max": float(mismatch_max),
         "mismatch/kl_k3": float(sums["k3"]) / n_loss, "mismatch/ratio_out": float(sums["out"]) / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
         "time/rollout": t_rollout, "time/grade_wait": t_grade, "time/gather": t_gather, "time/exchange": t_exchange,
         "time/tools_wait": engine.stats["tool_wait_s"], "time/train": t_train,
+        # of time/train: the frozen reference's forwards (0 without one)
+        "time/reference": t_reference,
         # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
         # answers too long or nested too deep to parse, no helper to be had, the task's grade raised (grading.Grader.results)
         "grade/timed_out": grader.stats["timed_out"], "grade/refused": grader.stats["refused"],

@@ -1,12 +1,18 @@
 """FSDP2 on two CPU processes (gloo): one sharded AdamW step equals one single-process step on the
-whole batch; meta-device + load_weights reads the same weights as load_model; save_model gathers."""
+whole batch; meta-device + load_weights reads the same weights as load_model; save_model gathers;
+the frozen reference model of the KL term is sharded in bf16 and its log-probs are the whole model's."""
 
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
+from checkpoint import load_trainable
 from model import Config, Qwen, load_model, load_weights, save_model, shard_model, token_logprobs
 
 WORLD = 2
@@ -95,3 +101,44 @@ def test_fsdp_step_matches_single_process(tmp_path):
     torch.manual_seed(0)
     save_model(Qwen(CFG), str(tmp_path / "ckpt"))
     mp.spawn(worker, args=(str(tmp_path),), nprocs=WORLD, join=True)
+
+
+def reference_worker(rank, tmp):
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
+    try:
+        path = os.path.join(tmp, "ckpt")
+        ids, mask, targets, loss_mask = batch()
+        # train_rl.py's reference with dtype bf16: FSDP2 shards held in bf16, no gradients
+        ref = load_trainable(path, "cpu", torch.bfloat16, frozen=True)
+        for name, p in ref.named_parameters():
+            assert isinstance(p, DTensor) and p.dtype == torch.bfloat16, name
+            assert not p.requires_grad, name
+        assert any(p.to_local().shape != p.shape for p in ref.parameters())  # really sharded
+        # its no_grad forward gives the log-probs of the whole model in bf16, bit for bit
+        with torch.no_grad():
+            logp = token_logprobs(ref, ids, targets, mask, chunk_size=7, where=loss_mask.bool())
+            whole_model = load_model(path, dtype=torch.bfloat16)
+            whole = token_logprobs(whole_model, ids, targets, mask, chunk_size=7, where=loss_mask.bool())
+        assert torch.equal(logp, whole)
+        # FSDP2 leaves the root's weights gathered after a forward (for a backward): reshard frees them
+        assert not isinstance(ref.model.embed_tokens.weight, DTensor)
+        ref.reshard()
+        assert isinstance(ref.model.embed_tokens.weight, DTensor)
+        # a checkpoint's fp32 shards (state/: a stage's starting model) read into the bf16 reference
+        policy = load_trainable(path, "cpu", torch.float32)
+        state = os.path.join(tmp, "step", "state")
+        dcp.save({"model": get_model_state_dict(policy)}, checkpoint_id=state)
+        if rank == 0:
+            shutil.copy(os.path.join(path, "config.json"), os.path.join(tmp, "step"))
+        dist.barrier()
+        ref = load_trainable(os.path.join(tmp, "step"), "cpu", torch.bfloat16, frozen=True)
+        for (name, p), master in zip(ref.named_parameters(), policy.parameters()):
+            assert torch.equal(p.full_tensor(), master.full_tensor().bfloat16()), name
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_kl_reference_is_sharded_in_bf16_and_frozen(tmp_path):
+    torch.manual_seed(0)
+    save_model(Qwen(CFG), str(tmp_path / "ckpt"))
+    mp.spawn(reference_worker, args=(str(tmp_path),), nprocs=WORLD, join=True)

@@ -86,6 +86,50 @@ def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
     assert [m["step"] for m in metrics] == [1, 2] and any(m["loss/grad_norm"] > 0 for m in metrics)
 
 
+def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
+    # the loss seams without touching the repository: one file outside it, two config keys
+    (tmp_path / "my_ideas.py").write_text(
+        "def rloo(rewards):\n"
+        "    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (rewards.size(1) - 1)\n\n\n"
+        "def gap(logprobs, engine_logprobs, mask, **_):\n"
+        "    return (logprobs - engine_logprobs).abs()\n")
+    mine = tmp_path / "my_ideas.py"
+    rl(sft, tmp_path / "r", "--steps=2", "--dump_every=1", f"--adv_scale={mine}:rloo",
+       f"--loss_terms=[('{mine}:gap', 0.01)]")
+    # the estimator: each kept trajectory's advantage is its reward minus the mean of its group's other kept
+    for step in (1, 2):
+        kept = [r for r in dumped(tmp_path / "r", step) if r["kept"]]
+        for group in {r["group"] for r in kept}:
+            rewards = [r["reward"] for r in kept if r["group"] == group]
+            expected = [x - (sum(rewards) - x) / (len(rewards) - 1) for x in rewards]
+            advantages = [r["advantage"] for r in kept if r["group"] == group]
+            assert advantages == pytest.approx(expected, abs=1e-6)
+    # the term: logged as loss/<function>, the token-mean of the trainer-vs-engine gap (mismatch/ logs it too)
+    metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
+    assert any(m["roc/kept"] for m in metrics)
+    for m in metrics:
+        assert m["loss/gap"] == pytest.approx(m["mismatch/abs_mean"], rel=1e-4)
+        assert "loss/kl" not in m
+        assert (m["loss/gap"] > 0) == (m["roc/kept"] > 0) and m["time/reference"] == 0.0
+
+
+def test_the_kl_term_on_two_ranks_repeats_bit_for_bit_and_resumes(sft, tmp_path):
+    # kl_coef > 0: a frozen reference (the starting model) sharded over 2 gloo ranks; 3 straight steps
+    # and 2 + resume + 1 end on the same weights, bit for bit (the reference is loaded again, not saved)
+    kl = ("--kl_coef=0.5", "--deterministic=true")
+    rl(sft, tmp_path / "a", "--steps=3", *kl, ranks=2)
+    rl(sft, tmp_path / "b", "--steps=2", *kl, ranks=2)
+    resumed = rl(sft, tmp_path / "b", "--steps=3", "--resume=true", *kl, ranks=2)
+    assert "resumed from" in resumed.stdout
+    a, b = weights(tmp_path / "a" / "step_000003"), weights(tmp_path / "b" / "step_000003")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in "ab"]
+    # step 1's policy is the reference itself: KL exactly 0; once it has moved, > 0, the same resumed
+    kls = [[m["loss/kl"] for m in metrics] for metrics in rows]
+    assert kls[0] == kls[1] and kls[0][0] == 0.0 and all(x > 0 for x in kls[0][1:]), kls
+    assert all(m["time/reference"] > 0 for m in rows[0])
+
+
 def test_hub_ids_resolve_offline_and_missing_paths_are_named(sft, tmp_path):
     # a Hugging Face cache as huggingface_hub lays it out, holding the SFT model as "acme/tiny-sft"
     snap = tmp_path / "hub" / "models--acme--tiny-sft" / "snapshots" / "0123abc"
