@@ -556,6 +556,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if not 0 <= args.error_rate <= 1:
         parser.error(f"--error_rate is a share in [0, 1], got {args.error_rate}")
+    from common import write_jsonl  # imports torch: here, so that convert and rl-set start without it
     from sandbox import SandboxPool
     data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
     if args.command == "code-set":
