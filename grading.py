@@ -5,11 +5,13 @@ A Grader is the engine's on_finish callback. It grades each finished trajectory 
 threads, so the decode loop never waits for a reward (the paper's §3.1 verifies asynchronously too), with the
 task's own functions (tasks/math.py is the default; a task is one file, see the README's "Fork it"):
 
-    pred = task.answer(turns)                            # what maj@k votes on (None: no answer)
-    reward, correct = task.grade(row, pred, turns, grader)   # reward in [0, 1] for training; correct for metrics
+    pred = task.answer(turns)                                        # what maj@k votes on (None: no answer)
+    reward, correct = task.grade(row, pred, turns, grader, trajectory)   # reward in [0, 1]; correct for metrics
 
 `turns` are the texts the policy sampled (agent.sampled_turns: never a tool's output), `row` the whole data
-row (every JSONL column). A task's grade may run code: `grader.sandbox` is the sandbox pool (a Future's
+row (every JSONL column; a row with a "task" column is graded by that task file: one run mixes tasks),
+`trajectory` the rollout.Trajectory: its tool_calls (each call's tool, arguments, status and output) and its
+environment (the task's environment(row) object in its final state, closed; None without one). A task's grade may run code: `grader.sandbox` is the sandbox pool (a Future's
 result, waited on from the grading thread), and `grader.reward(turns, gold)` is the math rule below on the
 thread's math-verify helper. Whatever grade() does (slow, hangs, raises, runs code) it runs under the same
 bounds and counters: a grade still running 2 * timeout seconds after it began is scored 0 (timed_out), one
@@ -18,6 +20,7 @@ that raises or returns a reward outside [0, 1] is scored 0 (failed); see Grader.
 Nothing here knows the protocol's text beyond agent.py's answer reading; nothing here imports a model.
 """
 import concurrent.futures
+import functools
 import itertools
 import json
 import logging
@@ -188,7 +191,7 @@ class Grader:
             self._add_thread()
         fut = self.pending[traj.key] = concurrent.futures.Future()
         row = traj.meta if self.rows is None else self.rows[traj.meta["problem"]]
-        self.jobs.put((fut, (traj.response_ids, traj.mask, traj.finish, row)))
+        self.jobs.put((fut, (traj, row)))
         return fut  # its grade: eval.py lets the trajectory go once it is done
 
     def _add_thread(self):
@@ -213,14 +216,16 @@ class Grader:
         with self.lock:
             self.counts[key] += 1
 
-    def grade(self, ids, mask, finish, row):
-        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}. Read from the
-        sampled turns only; a trajectory cut by the budget gets reward 0, not correct, without grade()."""
-        turns = sampled_turns(self.tok, ids, mask)
-        pred = self.task.answer(turns)
+    def grade(self, traj, row):
+        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}, by the row's task.
+        Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not correct, without
+        grade()."""
+        task = row_task(row, self.task)
+        turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
+        pred = task.answer(turns)
         reward, correct = 0.0, False
-        if finish != "length" or self.score_truncated:
-            reward, correct = self.task.grade(row, pred, turns, self)
+        if traj.finish != "length" or self.score_truncated:
+            reward, correct = task.grade(row, pred, turns, self, traj)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
         return {"reward": float(reward), "correct": bool(correct), "n_answers": count_answers(turns), "pred": pred}
@@ -323,6 +328,7 @@ class Grader:
             self._stop(ident)
 
 
+@functools.lru_cache(maxsize=None)
 def load_task(name):
     """A task: a Python file ("tasks/math.py", relative to the checkout when not found from here) or an
     importable module name ("tasks.math"). See tasks/math.py for what a task defines."""
@@ -340,6 +346,11 @@ def load_task(name):
     if missing:
         raise ValueError(f"task {name!r} does not define {', '.join(missing)} (tasks/math.py shows what a task defines)")
     return task
+
+
+def row_task(row, default):
+    """The task a data row names in its "task" column (a task file, loaded once), else `default`."""
+    return load_task(row["task"]) if "task" in row else default
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--verify-server"]:

@@ -86,8 +86,8 @@ def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
 
 
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
-    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: (1.5, True))
-    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: 1 / 0)
+    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: (1.5, True))
+    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: 1 / 0)
     for task in (bad, raises):
         g = grading.Grader(CHARS, task=task, rows=[ROW])
         g(trajectory("<answer>x</answer>"))
