@@ -349,8 +349,17 @@ def load_task(name):
 
 
 def row_task(row, default):
-    """The task a data row names in its "task" column (a task file, loaded once), else `default`."""
+    """The task a data row names in its "task" column (a task file, loaded once), else `default`: one run or eval
+    mixes tasks, each row prompted, offered tools and graded by its own."""
     return load_task(row["task"]) if "task" in row else default
+
+
+def rollout_seam(row, default):
+    """What a row's task gives each of its rollouts (rollout.Request's tools and environment): its tool table, and
+    when the task keeps state (an environment(row)), the maker of a new one per trajectory."""
+    task = row_task(row, default)
+    make = getattr(task, "environment", None)
+    return {"tools": task.TOOLS, "environment": make and functools.partial(make, row)}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--verify-server"]:

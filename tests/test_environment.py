@@ -4,7 +4,10 @@ middle of their walks and a tool that never answers; the reward read from each e
 import concurrent.futures
 import functools
 import json
+import os
 import random
+import subprocess
+import sys
 import types
 
 import pytest
@@ -14,10 +17,16 @@ import transformers
 import agent
 import data
 import grading
+import view
+from common import write_jsonl
 from model import load_model
 from rollout import Engine, Request, iter_claim
+from sandbox import SandboxPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GRID = grading.load_task("tasks/gridworld.py")
+MATH = grading.load_task("tasks/math.py")
 ROW = {"question": "You are at (0, 0) in a 4 x 4 grid. Reach the goal at (2, 0) with the move tool in as few moves "
                    "as you can. Walls: (1, 0).", "size": 4, "start": [0, 0], "goal": [2, 0], "walls": [[1, 0]]}
 HANG_SCHEMA = {"type": "function", "function": {"name": "wait", "description": "never answers", "parameters": {}}}
@@ -64,10 +73,13 @@ class Scripted(Engine):
     """The engine with a scripted policy: each sample's turns (SCRIPTS, by sample index) are forced token by token
     from the trajectory's own state, so a row prefilled again after preemption goes on exactly where it was."""
 
+    scripts = None  # {key: turns}; None: SCRIPTS by sample index
+
     def sample(self, rows, temperature):
         toks, lps = super().sample(rows, temperature)
         for i, row in enumerate(rows):
-            turn = self.tok.encode(SCRIPTS[row.req.key[2]][row.traj.turns], add_special_tokens=False)
+            turns = SCRIPTS[row.req.key[2]] if self.scripts is None else self.scripts[row.req.key]
+            turn = self.tok.encode(turns[row.traj.turns], add_special_tokens=False)
             toks[i] = turn[len(row.traj.response_ids) - row.turn_start]
         return toks, lps
 
@@ -164,6 +176,31 @@ def test_environments_close_when_the_step_raises(tiny):
     assert any(w.asked for w in Counting.made)  # they were mid-walk
 
 
+def test_one_eval_mixes_tasks_and_reports_each(tiny):
+    # a grid row that names its task beside a math row of the default task: each prompted, offered tools, given an
+    # environment (or none) and graded by its own task; the summary has the totals and each task's numbers
+    import eval as ev
+    model, tok = tiny
+    problems = [dict(ROW, task="tasks/gridworld.py"), {"question": "What is 6 * 7?", "answer": "42"}]
+    prompt_ids = [tok.encode(grading.row_task(p, MATH).prompt(p), add_special_tokens=False) for p in problems]
+    assert grading.row_task(problems[0], MATH) is GRID and grading.row_task(problems[1], MATH) is MATH
+    assert '"name": "move"' in tok.decode(prompt_ids[0]) and agent.TOOL_NAME in tok.decode(prompt_ids[1])
+    math_turn = "I know it.</reason>\n<answer>\\boxed{%d}</answer><|im_end|>"
+    engine = Scripted(model, tok, kv_capacity=8000, max_len=max(map(len, prompt_ids)) + 340, tools=NO_SANDBOX,
+                      call_timeout=0.5)
+    engine.scripts = {(0, 0, 0): SCRIPTS[0], (0, 0, 1): SCRIPTS[1], (0, 1, 0): [math_turn % 42],
+                      (0, 1, 1): [math_turn % 41]}
+    seen = {}
+    summary, per_problem = ev.evaluate(engine, tok, problems, 2, 340, prompt_ids=prompt_ids, task=MATH,
+                                       on_graded=lambda traj, s: seen.update({traj.key: traj}))
+    assert isinstance(seen[(0, 0, 1)].environment, GRID.GridWorld) and seen[(0, 1, 0)].environment is None
+    assert [p["correct"] for p in per_problem] == [2, 1]
+    assert summary["avg@k"] == pytest.approx(0.75) and summary["reward"] == pytest.approx((1 + 0.8 + 1 + 0) / 4)
+    grid, math = summary["tasks"]["gridworld"], summary["tasks"]["math"]
+    assert (grid["avg@k"], grid["reward"], grid["tool/calls"]) == (1.0, pytest.approx(0.9), 4.5)
+    assert (math["avg@k"], math["reward"], math["tool/calls"]) == (0.5, 0.5, 0.0)
+
+
 def test_stateless_tools_see_the_sandbox_and_no_environment():
     # the Python tool's run still gets the sandbox pool, whether or not the trajectory has an environment
     seen = []
@@ -188,3 +225,44 @@ def test_grid_traces_come_from_the_real_environment():
     # some walks first step off the search's path, and then go on from where that step left them
     first = [t["messages"][1]["tool_calls"][0]["function"]["arguments"]["direction"] for t in traces]
     assert any(step != GRID.shortest_path(row)[0] for step, row in zip(first, rows))
+
+
+# ----------------------------------------------------------------------------- the worked example, end to end
+
+def script(*args):
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+@pytest.mark.slow
+def test_the_grid_world_trains_from_traces_of_the_real_environment(tmp_path):
+    # the tiny base (tokenizer + random model), SFT on traces the GridWorld answered, then RL with configs/tiny_grid.py
+    with SandboxPool(workers=1) as pool:
+        data.prepare(str(tmp_path / "base"), 0, pool.map, data_dir=str(tmp_path / "data"), n_train=8, n_heldout=4,
+                     n_sft=12, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    rows = GRID.problems(6, seed=0)
+    write_jsonl(str(tmp_path / "grid.jsonl"), rows)
+    write_jsonl(str(tmp_path / "sft_grid.jsonl"), data.task_traces(GRID, rows * 4, random.Random(0), sandbox=None))
+    script("train_sft.py", "configs/tiny_sft.py", f"--model_path={tmp_path}/base", f"--out_dir={tmp_path}/sft",
+           f"--data_mix=[('{tmp_path}/sft_grid.jsonl', 'rstar2', 1.0)]", "--max_seq_len=704", "--epochs=40",
+           "--batch_size=12", "--lr=1e-2", "--log_every=1000")
+    script("train_rl.py", "configs/tiny_rl.py", "configs/tiny_grid.py", f"--model_path={tmp_path}/sft",
+           f"--data_path={tmp_path}/grid.jsonl", f"--run_dir={tmp_path}/rl", "--prompts_per_step=4",
+           "--samples_per_prompt=8", "--keep_per_prompt=4", "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1",
+           "--steps=2", "--dump_every=1")
+    records = view.read_records(str(tmp_path / "rl" / "rollouts" / "step_000001.jsonl.gz"))
+    assert len(records) == 4 * 8
+    moves = [c for r in records for c in r["tool_calls"] if c["tool"] == "move"]
+    assert len(moves) > len(records)  # it walks: more than one move a trajectory
+    for record in records:
+        # the reward is the environment's verdict, replayed here from the walk the records show
+        row = next(r for r in rows if r["question"] == record["question"])
+        world = GRID.GridWorld(row)
+        for call in record["tool_calls"]:
+            if call["tool"] == "move" and isinstance(call["arguments"], dict):
+                world.move(call["arguments"].get("direction"))
+        reached = world.position == world.goal and record["finish"] != "length"
+        assert record["reward"] == pytest.approx(world.shortest / world.moves if reached else 0.0)
+    assert any(r["reward"] > 0 for r in records)
