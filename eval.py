@@ -187,7 +187,8 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
     names = [grading.row_task(p, task).__name__ for p in problems]
     if len(set(names)) > 1:
-        summary["tasks"] = {name: metrics([g for g, n in zip(groups, names) if n == name])[0] for name in sorted(set(names))}
+        summary["tasks"] = {name: metrics([g for g, n in zip(groups, names) if n == name])[0]
+                            for name in sorted(set(names))}
     for row, p in zip(per_problem, problems):
         row.update({"id": p["id"]} if "id" in p else {}, question=p.get("question"))
     return summary, per_problem
@@ -273,7 +274,8 @@ if __name__ == "__main__":
         raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
-    prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False), np.int32)
+    prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False),
+                             np.int32)
                   for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):

@@ -11,7 +11,8 @@ task's own functions (tasks/math.py is the default; a task is one file, see the 
 `turns` are the texts the policy sampled (agent.sampled_turns: never a tool's output), `row` the whole data
 row (every JSONL column; a row with a "task" column is graded by that task file: one run mixes tasks),
 `trajectory` the rollout.Trajectory: its tool_calls (each call's tool, arguments, status and output) and its
-environment (the task's environment(row) object in its final state, closed; None without one). A task's grade may run code: `grader.sandbox` is the sandbox pool (a Future's
+environment (the task's environment(row) object in its final state, closed; None without one).
+A task's grade may run code: `grader.sandbox` is the sandbox pool (a Future's
 result, waited on from the grading thread), and `grader.reward(turns, gold)` is the math rule below on the
 thread's math-verify helper. Whatever grade() does (slow, hangs, raises, runs code) it runs under the same
 bounds and counters: a grade still running 2 * timeout seconds after it began is scored 0 (timed_out), one

@@ -526,7 +526,8 @@ class Engine:
         t = row.traj
         # every call's record gets its answer: status, duration and the text the model will read; a call still
         # unanswered at the deadline is answered "timeout" (its late answer, if any, is never read)
-        late = types.SimpleNamespace(status="timeout", stdout="", stderr="", value="", duration=self.call_timeout)
+        late = types.SimpleNamespace(status="timeout", stdout="", stderr="", value="",
+                                     duration=self.call_timeout)
         for rec, fut in row.calls:
             if fut is not None:
                 res = fut.result() if fut.done() else late

@@ -291,8 +291,9 @@ while step < steps:
         chosen = list(range(n_sample))
         if roc:
             for traj in groups[group]:
-                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns,
-                                                num_overloaded=traj.calls.count("overloaded"))
+                # an "overloaded" call (our sandbox's queue, not the policy) counts in neither side of p_err
+                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers,
+                                                traj.turns, num_overloaded=traj.calls.count("overloaded"))
             penalties = torch.tensor([traj.penalty for traj in groups[group]])
             chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
                                                   mode=roc_mode).tolist()
