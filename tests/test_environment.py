@@ -236,6 +236,11 @@ def script(*args):
     return p.stdout
 
 
+def rows_of(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 @pytest.mark.slow
 def test_the_grid_world_trains_from_traces_of_the_real_environment(tmp_path):
     # the tiny base (tokenizer + random model), SFT on traces the GridWorld answered, then RL with configs/tiny_grid.py
@@ -266,3 +271,20 @@ def test_the_grid_world_trains_from_traces_of_the_real_environment(tmp_path):
         reached = world.position == world.goal and record["finish"] != "length"
         assert record["reward"] == pytest.approx(world.shortest / world.moves if reached else 0.0)
     assert any(r["reward"] > 0 for r in records)
+    # one run mixes tasks: math rows (the config's task) beside grid rows that name theirs, metrics per task
+    math_rows = [{"question": r["question"], "answer": r["answer"]} for r in rows_of(tmp_path / "data" / "train.jsonl")]
+    write_jsonl(str(tmp_path / "mixed.jsonl"), math_rows[:2] + [dict(r, task="tasks/gridworld.py") for r in rows[:2]])
+    script("train_rl.py", "configs/tiny_rl.py", f"--model_path={tmp_path}/sft", f"--data_path={tmp_path}/mixed.jsonl",
+           f"--run_dir={tmp_path}/mixed", "--prompts_per_step=4", "--samples_per_prompt=4", "--keep_per_prompt=2",
+           "--max_prompt_tokens=200", "--max_response_tokens=384", "--max_turns=10", "--tool_workers=1", "--steps=1",
+           "--dump_every=1")
+    metrics = json.loads(open(tmp_path / "mixed" / "metrics.jsonl").readline())
+    records = view.read_records(str(tmp_path / "mixed" / "rollouts" / "step_000001.jsonl.gz"))
+    math_records = [r for r in records if r["question"].startswith("What is")]
+    grid_records = [r for r in records if r not in math_records]
+    assert len(math_records) == len(grid_records) == 8
+    for name, mine in (("math", math_records), ("gridworld", grid_records)):
+        assert metrics[f"task/{name}/reward"] == pytest.approx(sum(r["reward"] for r in mine) / 8)
+    # a math row is offered the Python tool only: a move there is an unknown tool, a failed call
+    assert all(c["status"] == "invalid" for r in math_records for c in r["tool_calls"] if "move" in json.dumps(c))
+    assert metrics["tool/calls/move"] > 0 and "task/gridworld/tool_err" in metrics
