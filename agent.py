@@ -103,9 +103,15 @@ class Tool:
     in, a concurrent.futures.Future of a sandbox.Result (status from TOOL_STATUSES, stdout, stderr, value,
     duration) out. A run that raises (bad arguments) is answered EXEC_ERROR + the exception's text, as the
     release answers a tool that raises, and counts as "invalid". run() is called on the decode loop: start
-    the work and return, never wait on it."""
+    the work and return, never wait on it (a Future still not done after the engine's call_timeout is
+    answered "timeout").
+
+    stateful=True: a tool of the trajectory's environment (a task's environment(row), one object per
+    trajectory: tasks/gridworld.py), called as run(arguments, environment) with that object in place of the
+    sandbox pool; its calls see and change that trajectory's state only, in the order the model made them."""
     schema: dict
     run: object
+    stateful: bool = False
 
 
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
@@ -200,15 +206,16 @@ def parse_tool_calls(turn_text, max_calls=1, tools=PYTHON_TOOLS):
     return [_parse_one_call(turn_text[a:b], tools) for _, (a, b) in blocks]
 
 
-def start_call(call, tools, sandbox):
+def start_call(call, tools, sandbox, environment=None):
     """One item of parse_tool_calls started: (its record, the Future of its Result), or (record, None) when
     it is answered at once (it did not parse, or its tool's run() raised): the record's output is then the
-    answer. A record: tool (its name, "" if unknown), arguments, and once answered status, output, duration."""
+    answer. A record: tool (its name, "" if unknown), arguments, and once answered status, output, duration.
+    environment: the trajectory's own (Tool's `stateful`), None when its task has none."""
     if isinstance(call, str):
         return {"tool": "", "arguments": None, "status": "invalid", "output": call, "duration": 0.0}, None
-    rec = {"tool": call.name, "arguments": call.arguments}
+    rec, tool = {"tool": call.name, "arguments": call.arguments}, tools[call.name]
     try:
-        return rec, tools[call.name].run(call.arguments, sandbox)
+        return rec, tool.run(call.arguments, environment if tool.stateful else sandbox)
     except Exception as e:  # bad arguments: the release answers what the tool raised
         rec.update(status="invalid", output=EXEC_ERROR + str(e), duration=0.0)
         return rec, None

@@ -113,7 +113,8 @@ class Logger:
 
 def read_jsonl(path, required=("question", "answer")):
     """Rows of a JSONL file (every script's data and metrics). A missing file or a bad line raises
-    ValueError 'path:line: what is wrong'; `required` fields must be there, question and answer as strings."""
+    ValueError 'path:line: what is wrong'; `required` fields must be there, question and answer as strings
+    (required may be a function of the row: a row that names its task needs that task's columns)."""
     rows = []
     try:
         f = open(path, encoding="utf-8")
@@ -130,7 +131,7 @@ def read_jsonl(path, required=("question", "answer")):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, "
                                  f"got {type(row).__name__}")
-            for key in required:
+            for key in required(row) if callable(required) else required:
                 if key not in row:
                     raise ValueError(f"{path}:{lineno}: missing field {key!r}")
                 # answers are compared as text: a JSON number here is almost always a mistake

@@ -24,6 +24,7 @@ For a task file (README "Fork it"), two more commands:
 
     python data.py traces --task=tasks/calculator.py --n_sft=2000     # SFT traces from the task's trace(row, rng)
     python data.py code-set                                           # tasks/code.py's tiny problem set
+    python data.py grid-set                                           # tasks/gridworld.py's tiny grids
 
 `traces` runs every tool call of the traces through the task's own tool table (the sandbox for Python), so
 the tool messages are the real answers, and writes rows with "tools": the schemas the task's prompt lists
@@ -286,20 +287,25 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 # -----------------------------------------------------------------------------
 # data for a task file: SFT traces from its trace(), and the code task's problems
 
-def task_traces(task, rows, rng, sandbox):
+def task_traces(task, rows, rng, sandbox, timeout=60.0):
     """SFT rows for a task: each row + "messages" (task.trace(row, rng), every tool message filled with the real
-    answer of its call, run through task.TOOLS) + "tools" (the schemas its prompt lists, in order)."""
+    answer of its call, run through task.TOOLS; a task with an environment(row) gets a new one per trace, as each
+    rollout does, closed after it) + "tools" (the schemas its prompt lists, in order). A call unanswered after
+    `timeout` seconds stops it with TimeoutError: a trace must not carry an answer its tool never gave."""
     out = []
     for row in rows:
         messages, answers = task.trace(row, rng), []
+        world = task.environment(row) if hasattr(task, "environment") else None
         for i, m in enumerate(messages):
             # each call of an assistant turn runs as a rollout would run it; its answer goes to the next tool message
             for call in m.get("tool_calls") or []:
                 name, args = agent.read_tool_call(call, i)
-                rec, future = agent.start_call(agent.ToolCall(name, args), task.TOOLS, sandbox)
-                answers.append(rec["output"] if future is None else agent.tool_response_text(future.result()))
+                rec, future = agent.start_call(agent.ToolCall(name, args), task.TOOLS, sandbox, world)
+                answers.append(rec["output"] if future is None else agent.tool_response_text(future.result(timeout)))
             if m["role"] == "tool":
                 m["content"] = answers.pop(0)
+        if world is not None:
+            world.close()
         out.append(dict(row, messages=messages, tools=[t.schema for t in task.TOOLS.values()]))
     return out
 
@@ -536,7 +542,7 @@ if __name__ == "__main__":
             sys.exit(f"rl-set error: {e}")
         sys.exit(0)
     parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
-    parser.add_argument("command", choices=["prepare", "traces", "code-set"])
+    parser.add_argument("command", choices=["prepare", "traces", "code-set", "grid-set"])
     parser.add_argument("--task", default="tasks/math.py", help="traces: the task file whose trace() and tools to use")
     parser.add_argument("--problems", default="", help="traces: the rows to trace (default: data_dir/train.jsonl)")
     parser.add_argument("--out", default="out/tiny-base", help="model + tokenizer directory")
@@ -556,6 +562,7 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if not 0 <= args.error_rate <= 1:
         parser.error(f"--error_rate is a share in [0, 1], got {args.error_rate}")
+    from common import write_jsonl  # imports torch: here, so that convert and rl-set start without it
     from sandbox import SandboxPool
     data_dir = args.data_dir or os.path.join(os.path.dirname(os.path.abspath(args.out)), "data")
     if args.command == "code-set":
@@ -563,6 +570,13 @@ if __name__ == "__main__":
         write_jsonl(os.path.join(data_dir, "code_train.jsonl"), rows[:args.n_train])
         write_jsonl(os.path.join(data_dir, "code_heldout.jsonl"), rows[args.n_train:])
         print(f"{data_dir}: code_train {args.n_train}, code_heldout {args.n_heldout}")
+        sys.exit(0)
+    if args.command == "grid-set":
+        from grading import load_task
+        rows = load_task("tasks/gridworld.py").problems(args.n_train + args.n_heldout, args.seed)
+        write_jsonl(os.path.join(data_dir, "grid_train.jsonl"), rows[:args.n_train])
+        write_jsonl(os.path.join(data_dir, "grid_heldout.jsonl"), rows[args.n_train:])
+        print(f"{data_dir}: grid_train {args.n_train}, grid_heldout {args.n_heldout}")
         sys.exit(0)
     if args.command == "traces":
         from common import read_jsonl

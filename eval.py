@@ -118,6 +118,7 @@ def metrics(groups):
     summary = {
         "problems": len(groups), "samples": k,
         "avg@k": statistics.fmean(accs),
+        "reward": statistics.fmean(t.reward for t in trajs),  # the mean reward: partial rewards count, not only 1s
         "avg@k_se": statistics.stdev(accs) / math.sqrt(len(accs)) if len(accs) > 1 else 0.0,
         **{f"pass@{j}": statistics.fmean(pass_at_k(k, p["correct"], j) for p in per_problem)
            for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
@@ -147,9 +148,11 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
+    # each request with its row's tools, and the maker of its own environment when the row's task keeps state
     requests = Lazy(len(problems) * samples, lambda j: Request(
         list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
-        meta={"answer": problems[j // samples].get("answer"), "problem": j // samples}))
+        meta={"answer": problems[j // samples].get("answer"), "problem": j // samples},
+        **grading.rollout_seam(problems[j // samples], task)))
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
     bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0, desc="eval", unit="traj",
@@ -175,7 +178,13 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
     trajs = sorted((s for part in gather(summaries) for s in part), key=lambda s: s.key)
-    summary, per_problem = metrics([trajs[i * samples:(i + 1) * samples] for i in range(len(problems))])
+    groups = [trajs[i * samples:(i + 1) * samples] for i in range(len(problems))]
+    summary, per_problem = metrics(groups)
+    # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
+    names = [grading.row_task(p, task).__name__ for p in problems]
+    if len(set(names)) > 1:
+        summary["tasks"] = {name: metrics([g for g, n in zip(groups, names) if n == name])[0]
+                            for name in sorted(set(names))}
     for row, p in zip(per_problem, problems):
         row.update({"id": p["id"]} if "id" in p else {}, question=p.get("question"))
     return summary, per_problem
@@ -216,6 +225,7 @@ if __name__ == "__main__":
     #                           keep_unsolved it is skipped, as train_rl.py skips it
     max_turns = 30  # assistant turns per answer (the paper: 30)
     max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
+    tool_call_timeout = 0.0  # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
     tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
@@ -248,8 +258,8 @@ if __name__ == "__main__":
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"config error: {e}")
     try:
-        problems = read_jsonl(data_path, required=task_module.COLUMNS)
-    except ValueError as e:
+        problems = read_jsonl(data_path, required=lambda row: grading.row_task(row, task_module).COLUMNS)
+    except (ValueError, FileNotFoundError) as e:  # a bad line, or a task file a row names that is not there
         raise SystemExit(f"data error: {e}")
     if limit < 0 or samples < 1:
         raise SystemExit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
@@ -260,7 +270,8 @@ if __name__ == "__main__":
         raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
-    prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32)
+    prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False),
+                             np.int32)
                   for p in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
@@ -288,7 +299,8 @@ if __name__ == "__main__":
                      isolation=tool_isolation) as tools:
         engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
                         top_p=top_p, seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                        tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS)
+                        tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS,
+                        call_timeout=tool_call_timeout or None)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
@@ -303,7 +315,8 @@ if __name__ == "__main__":
                  f"{len(problems)} problems × {k} samples, temperature {temperature}, top-p {top_p}, "
                  f"{max_response_tokens} tokens, {max_turns} turns, seed {seed}", "",
                  "| metric | value |", "|---|---|",
-                 f"| avg@{k} | {100 * summary['avg@k']:.2f}% ± {100 * summary['avg@k_se']:.2f} |"]
+                 f"| avg@{k} | {100 * summary['avg@k']:.2f}% ± {100 * summary['avg@k_se']:.2f} |",
+                 f"| mean reward | {summary['reward']:.3f} |"]
         table += [f"| {key} | {100 * summary[key]:.2f}% |" for key in summary
                   if key.startswith("pass@") and key != "pass@k"]
         table += [f"| maj@{k} | {100 * summary['maj@k']:.2f}% |",
@@ -316,6 +329,9 @@ if __name__ == "__main__":
                   f"| max-turns ratio | {summary['rollout/max_turns_frac']:.3f} |",
                   f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
                   f"| wall time | {summary['wall_s']:.1f} s |"]
+        # a mixed set: each task's own avg@k, mean reward and tool error ratio
+        table += [f"| {name}: avg@{k} / mean reward / tool errors | {100 * s['avg@k']:.2f}% / {s['reward']:.3f} / "
+                  f"{s['tool/err']:.3f} |" for name, s in summary.get("tasks", {}).items()]
         per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]

@@ -6,11 +6,14 @@ A Grader is the engine's on_finish callback. It grades each finished trajectory 
 threads, so the decode loop never waits for a reward (the paper's §3.1 verifies asynchronously too), with the
 task's own functions (tasks/math.py is the default; a task is one file, see the README's "Fork it"):
 
-    pred = task.answer(turns)                            # what maj@k votes on (None: no answer)
-    reward, correct = task.grade(row, pred, turns, grader)   # reward in [0, 1] for training; correct for metrics
+    pred = task.answer(turns)                                        # what maj@k votes on (None: no answer)
+    reward, correct = task.grade(row, pred, turns, grader, trajectory)   # reward in [0, 1]; correct for metrics
 
 `turns` are the texts the policy sampled (agent.sampled_turns: never a tool's output), `row` the whole data
-row (every JSONL column). What a grade may use of the grader:
+row (every JSONL column; a row with a "task" column is graded by that task file: one run mixes tasks),
+`trajectory` the rollout.Trajectory: its tool_calls (each call's tool, arguments, status and output) and its
+environment (the task's environment(row) object in its final state, closed; None without one). What a grade
+may use of the grader:
     grader.run_in_helper(function, *args)   function(*args) in the thread's helper process (sympy, slow or
                                             unbounded work: math-verify), killed when it passes the timeout
     grader.refuses(text)                    the size bound: text too big to hand to a parser (counted)
@@ -23,6 +26,7 @@ raises or returns a reward outside [0, 1] is scored 0 (failed); see Grader.resul
 Nothing here knows the protocol's text beyond agent.py's answer reading; nothing here imports a model.
 """
 import concurrent.futures
+import functools
 import importlib.util
 import itertools
 import json
@@ -157,7 +161,7 @@ class Grader:
             self._add_thread()
         fut = self.pending[traj.key] = concurrent.futures.Future()
         row = traj.meta if self.rows is None else self.rows[traj.meta["problem"]]
-        self.jobs.put((fut, (traj.response_ids, traj.mask, traj.finish, row)))
+        self.jobs.put((fut, (traj, row)))
         return fut  # its grade: eval.py lets the trajectory go once it is done
 
     def _add_thread(self):
@@ -182,15 +186,17 @@ class Grader:
         with self.lock:
             self.counts[key] += 1
 
-    def grade(self, ids, mask, finish, row):
-        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}. Read from the
-        sampled turns only; a trajectory cut by the budget gets reward 0, not correct, without grade()."""
-        turns = sampled_turns(self.tok, ids, mask)
-        pred = self.task.answer(turns)
+    def grade(self, traj, row):
+        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}, by the row's
+        task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not correct,
+        without grade()."""
+        task = row_task(row, self.task)
+        turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
+        pred = task.answer(turns)
         reward = 0.0
         correct = False
-        if finish != "length" or self.score_truncated:
-            reward, correct = self.task.grade(row, pred, turns, self)
+        if traj.finish != "length" or self.score_truncated:
+            reward, correct = task.grade(row, pred, turns, self, traj)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
         n_answers = count_answers(turns)
@@ -318,8 +324,9 @@ def load_file(name):
     return getattr(module, attribute) if attribute else module
 
 
+@functools.lru_cache(maxsize=None)
 def load_task(name):
-    """A task: a file or module as load_file reads it. See tasks/math.py for what a task defines."""
+    """A task (loaded once per process): a file or module as load_file reads it. See tasks/math.py for what a task defines."""
     task = load_file(name)
     pieces = ("COLUMNS", "TOOLS", "prompt", "answer", "grade")
     missing = [key for key in pieces if not hasattr(task, key)]
@@ -335,6 +342,20 @@ def _load_file(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def row_task(row, default):
+    """The task a data row names in its "task" column (a task file, loaded once), else `default`: one run or
+    eval mixes tasks, each row prompted, offered tools and graded by its own."""
+    return load_task(row["task"]) if "task" in row else default
+
+
+def rollout_seam(row, default):
+    """What a row's task gives each of its rollouts (rollout.Request's tools and environment): its tool table,
+    and when the task keeps state (an environment(row)), the maker of a new one per trajectory."""
+    task = row_task(row, default)
+    make = getattr(task, "environment", None)
+    return {"tools": task.TOOLS, "environment": make and functools.partial(make, row)}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--helper"]:

@@ -80,13 +80,17 @@ import math
 import torch
 
 
-def penalty(num_calls, num_errors, num_answers, num_turns):
+def penalty(num_calls, num_errors, num_answers, num_turns, num_overloaded=0):
     """
     p_total = p_err + p_format of one trajectory, in [0, 2]; lower is better (paper Eq. 4 and Eq. 5).
 
     p_err (Eq. 4) = failed tool calls / tool calls, and 0.5 when the trajectory made no tool call (the
     paper's nudge towards the tool). What counts as failed (a call that does not parse, raises, or times
     out) is the caller's business: here it is only a count.
+    num_overloaded: calls our own infrastructure answered "overloaded" (the sandbox's queue was full: not the
+    policy's doing). They count in neither p_err's numerator nor its denominator: counted as clean calls they
+    would lower p_err, and RoC would prefer the trajectories that met an overload. A trajectory whose every
+    call was overloaded gets the no-call 0.5.
     p_format (Eq. 5) = 1 without any <answer>, else min(1, (num_answers - 1) / num_turns): answering
     more than once is penalised relative to the length of the conversation.
 
@@ -96,10 +100,11 @@ def penalty(num_calls, num_errors, num_answers, num_turns):
     The released code counts assistant turns - 1 (its first assistant header sits in the prompt), so
     there a single-turn answer also gets p_format 1.0; we follow the paper.
     """
-    if not 0 <= num_errors <= num_calls or num_answers < 0 or num_turns < 0:
-        raise ValueError(f"need 0 <= num_errors <= num_calls and num_answers, num_turns >= 0, "
-                         f"got {num_calls=} {num_errors=} {num_answers=} {num_turns=}")
-    p_err = num_errors / num_calls if num_calls else 0.5
+    counted = num_calls - num_overloaded  # the calls whose outcome is the policy's
+    if not 0 <= num_errors <= counted <= num_calls or num_answers < 0 or num_turns < 0:
+        raise ValueError(f"need 0 <= num_errors <= num_calls - num_overloaded <= num_calls and num_answers, num_turns "
+                         f">= 0, got {num_calls=} {num_errors=} {num_answers=} {num_turns=} {num_overloaded=}")
+    p_err = num_errors / counted if counted else 0.5
     p_format = 1.0 if num_answers == 0 or num_turns == 0 else min(1.0, (num_answers - 1) / num_turns)
     return p_err + p_format
 

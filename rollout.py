@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import math
 import time
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,10 @@ class Request:
     prompt_ids: list
     key: tuple = (0, 0, 0)  # (step, prompt index, sample index): seeds the row's generator
     meta: dict = field(default_factory=dict)  # passed through to the trajectory (e.g. the gold answer)
+    tools: dict = None  # the tool table of the row's task (name -> agent.Tool); None: the engine's tool_table
+    # makes the trajectory's environment, called once when the row is claimed (e.g. functools.partial(
+    # task.environment, row)); None: the task keeps no state across calls
+    environment: object = None
 
 
 @dataclass
@@ -66,6 +71,9 @@ class Trajectory:
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
     meta: dict = field(default_factory=dict)
+    # the trajectory's own environment (Request.environment made it): its stateful tools change it, the task's
+    # grade reads its final state; closed when the trajectory ends (Engine.run)
+    environment: object = None
 
 
 WAITING, DECODE, TOOLS = "waiting", "decode", "tools"  # a row's states (see Row)
@@ -85,6 +93,7 @@ class Row:
         self.pending = list(req.prompt_ids)  # tokens already in the trajectory but not yet in the KV cache
         self.logits = None  # (V,) logits to sample the next token from
         self.calls = []  # while parked: list of (record, future or None)
+        self.deadline = 0.0  # while parked: when (time.monotonic) calls still unanswered are answered "timeout"
         self.dropped = 0  # tokens preemption took out of the KV, to be prefilled again
 
 
@@ -264,11 +273,15 @@ class Pager:
         self.ended += 1
 
 
+# seconds past the sandbox pool's own bound before the engine answers a call "timeout" itself
+CALL_MARGIN = 30.0
+
+
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
                  seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
                  prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None,
-                 deterministic=False, tool_table=agent.PYTHON_TOOLS):
+                 deterministic=False, tool_table=agent.PYTHON_TOOLS, call_timeout=None):
         """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
         share of a row's response budget promised to it at admission (1 = the whole budget, no
         over-commit), or "auto": a share that follows what the run's rows use (Pager); max_rows: most
@@ -276,11 +289,17 @@ class Engine:
         per page, so pass the rank's share of a step's rollouts: an engine holding more at once takes
         them from engines that would run them sooner); page_size: tokens per page (flash-attn needs a
         multiple of 256; 16 elsewhere). tools: the sandbox pool; tool_table: the task's tools, name ->
-        agent.Tool (a call runs as tool_table[name].run(arguments, tools))."""
+        agent.Tool (a call runs as tool_table[name].run(arguments, tools)); a Request's own table and
+        environment replace them for its row. call_timeout: seconds a parked row waits for its calls; one
+        still unanswered then is answered "timeout" (a failed call) and never waited on again. None: the
+        sandbox pool's own bound (its queue wait + its time limit) + CALL_MARGIN, so a sandbox call is
+        always answered by the pool first."""
         self.model, self.tok, self.tools, self.tool_table = model, tokenizer, tools, tool_table
         self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
         self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
         self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
+        self.call_timeout = call_timeout or (getattr(tools, "queue_timeout", 60.0) + getattr(tools, "timeout", 4.0)
+                                             + CALL_MARGIN)
         # wait for every tool answer before the next step (no overlap of tools and decoding), so which rows
         # share a forward never depends on how fast the tools answered: on CPU a matmul over 1-5 rows
         # rounds differently from one over 16+, and a flipped sampled token changes the rest of a rollout
@@ -319,55 +338,66 @@ class Engine:
         rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
         self.stats.update({k: 0 for k in self.stats}, tool_wait_s=0.0)
         self.pager.start(budget)
-        while rows or not exhausted:
-            # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
-            # into the KV come first (and an empty engine always claims)
-            n = 0 if exhausted else self.pager.claimable(rows, len(free))
-            if n > 0:
-                reqs = claim(n)
-                exhausted = not reqs
-                self.claimed(reqs, free, rows, budget)
-            # 2. parked rows whose tool answers have all arrived get them appended
-            todo = []
-            if self.deterministic:
-                # every answer first, so which rows share the next forward does not depend on timing
-                concurrent.futures.wait([f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f])
-            for row in [r for r in rows.values() if r.state == TOOLS]:
-                if all(f is None or f.done() for _, f in row.calls):
-                    todo += self.resume(row)
-            # 3. waiting rows enter the KV in admission order, while their promise fits
-            todo += self.pager.admit([r for r in rows.values() if r.state == WAITING], rows)
-            # 4. the prompts, tool responses and recomputed contexts of this step go through the model
-            # together, once they have pages (which may preempt rows)
-            todo = self.pager.fit(todo, rows)
-            if todo:
-                self.prefill(todo)
-            # 5. sample one token for every row that has logits, then one batched decode step
-            ready = [r for r in rows.values() if r.logits is not None]
-            futures = [f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f is not None]
-            if ready:
-                for row, tok, lp in zip(ready, *self.sample(ready, temperature)):
-                    self.step_row(row, tok, lp, tools)
-                # rows preempted since their last forward sample too, but decode only after re-admission
-                going = [Feed(r, r.pending) for r in ready if r.state == DECODE and not r.traj.finish]
-                going = sorted(self.pager.fit(going, rows), key=lambda it: it.row.slot)
-                if going:
-                    self.decode([it.row for it in going])
-            elif futures:
-                # nothing to decode: wait for the first tool answer
-                t0 = time.perf_counter()
-                concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
-                self.stats["tool_wait_s"] += time.perf_counter() - t0
-            # 6. free the rows that finished: their pages and their slot
-            for row in [r for r in rows.values() if r.traj.finish]:
-                del rows[row.slot]
-                self.pager.finished(row)
-                free.append(row.slot)
-                self.log("finish", row, reason=row.traj.finish)
-                if keep:
-                    done.append(row.traj)
-                if on_finish is not None:
-                    on_finish(row.traj)
+        try:
+            while rows or not exhausted:
+                # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
+                # into the KV come first (and an empty engine always claims)
+                n = 0 if exhausted else self.pager.claimable(rows, len(free))
+                if n > 0:
+                    reqs = claim(n)
+                    exhausted = not reqs
+                    self.claimed(reqs, free, rows, budget)
+                # 2. parked rows whose tool answers have all arrived, or whose calls ran out of time, get them
+                # appended
+                todo = []
+                if self.deterministic:
+                    # every answer first (or every deadline passed), so which rows share the next forward does not
+                    # depend on timing
+                    concurrent.futures.wait([f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f],
+                                            timeout=self.call_timeout)
+                now = time.monotonic()
+                for row in [r for r in rows.values() if r.state == TOOLS]:
+                    if now >= row.deadline or all(f is None or f.done() for _, f in row.calls):
+                        todo += self.resume(row)
+                # 3. waiting rows enter the KV in admission order, while their promise fits
+                todo += self.pager.admit([r for r in rows.values() if r.state == WAITING], rows)
+                # 4. the prompts, tool responses and recomputed contexts of this step go through the model
+                # together, once they have pages (which may preempt rows)
+                todo = self.pager.fit(todo, rows)
+                if todo:
+                    self.prefill(todo)
+                # 5. sample one token for every row that has logits, then one batched decode step
+                ready = [r for r in rows.values() if r.logits is not None]
+                futures = [f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f is not None]
+                if ready:
+                    for row, tok, lp in zip(ready, *self.sample(ready, temperature)):
+                        self.step_row(row, tok, lp, tools)
+                    # rows preempted since their last forward sample too, but decode only after re-admission
+                    going = [Feed(r, r.pending) for r in ready if r.state == DECODE and not r.traj.finish]
+                    going = sorted(self.pager.fit(going, rows), key=lambda it: it.row.slot)
+                    if going:
+                        self.decode([it.row for it in going])
+                elif futures:
+                    # nothing to decode: wait for the first tool answer
+                    t0 = time.perf_counter()
+                    concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+                    self.stats["tool_wait_s"] += time.perf_counter() - t0
+                # 6. free the rows that finished: their pages and their slot
+                for row in [r for r in rows.values() if r.traj.finish]:
+                    del rows[row.slot]
+                    self.pager.finished(row)
+                    free.append(row.slot)
+                    self.log("finish", row, reason=row.traj.finish)
+                    # before on_finish: the grade reads the environment's final state, and nothing changes it now
+                    close_environment(row.traj)
+                    if keep:
+                        done.append(row.traj)
+                    if on_finish is not None:
+                        on_finish(row.traj)
+        finally:
+            # the rows still running when the step raised end here too: their environments are closed
+            for row in rows.values():
+                close_environment(row.traj)
         assert self.cache.free_pages() == self.cache.num_pages, "pages leaked"
         return done
 
@@ -380,6 +410,9 @@ class Engine:
             gen = row_generator(self.seed, req.key, self.device)
             row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.pager.seq))
             rows[row.slot] = row
+            # the trajectory's own environment, made once: preemption and re-admission keep the Row, so this
+            # object and no other sees this trajectory's calls
+            row.traj.environment = req.environment() if req.environment else None
             self.log("admit", row, slot=row.slot)
 
     # ---------------------------------------------------------------------------------------------
@@ -469,29 +502,35 @@ class Engine:
         """Parse the finished turn: no tool call ends the trajectory (so does the turn limit); else the
         row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
         t = row.traj
+        table = self.tool_table if row.req.tools is None else row.req.tools  # the row's task's tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
         # Plain completions (generate, use_tools=False) decode and parse nothing: a turn is the whole answer
         calls = [] if tools is None else agent.parse_tool_calls(
-            self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls, self.tool_table)
+            self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls, table)
         if not calls:
             t.finish = "stop"
         elif t.turns >= self.max_turns:
             t.finish = "max_turns"
         else:
             # park the row (its KV stays) and dispatch each call to its tool by name; the tools answer on their
-            # own threads. A malformed call is answered with the error text, never dropped: no future
+            # own threads. A malformed call is answered with the error text, never dropped: no future. Each call
+            # starts here, once: a preempted row is re-admitted with its answers, never with its calls again
             row.state = TOOLS
-            row.calls = [agent.start_call(c, self.tool_table, tools) for c in calls]
+            row.calls = [agent.start_call(c, table, tools, t.environment) for c in calls]
+            row.deadline = time.monotonic() + self.call_timeout
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):
         """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
         is in the KV. Nothing when they do not fit its budget."""
         t = row.traj
-        # every call's record gets its answer: status, duration and the text the model will read
+        # every call's record gets its answer: status, duration and the text the model will read; a call still
+        # unanswered at the deadline is answered "timeout" (its late answer, if any, is never read)
+        late = types.SimpleNamespace(status="timeout", stdout="", stderr="", value="",
+                                     duration=self.call_timeout)
         for rec, fut in row.calls:
             if fut is not None:
-                res = fut.result()
+                res = fut.result() if fut.done() else late
                 rec.update(status=res.status, duration=res.duration,
                            output=agent.tool_response_text(res, self.tool_max_chars))
             t.tool_calls.append(rec)
@@ -517,6 +556,13 @@ class Engine:
             return []
         row.state = DECODE
         return [Feed(row, row.pending)]
+
+
+def close_environment(traj):
+    """The trajectory is over (an answer, its budget, the turn limit, or an exception in the step): its
+    environment's close() frees what it holds. What the grade reads stays readable in the object."""
+    if traj.environment is not None:
+        traj.environment.close()
 
 
 def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):

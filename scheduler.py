@@ -142,6 +142,18 @@ def rollout_metrics(summaries, tool_names=()):
     return metrics
 
 
+def task_metrics(summaries, task_of):
+    """The totals' reward, correct share and failed-call share, per task (task_of(summary) names it): task/<name>/."""
+    metrics = {}
+    for name in sorted({task_of(traj) for traj in summaries}):
+        mine = [traj for traj in summaries if task_of(traj) == name]
+        calls = [status for traj in mine for status in traj.calls]
+        metrics[f"task/{name}/reward"] = sum(traj.reward for traj in mine) / len(mine)
+        metrics[f"task/{name}/correct"] = sum(traj.correct for traj in mine) / len(mine)
+        metrics[f"task/{name}/tool_err"] = agent.n_failed(calls) / max(1, len(calls))
+    return metrics
+
+
 def gather(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank (one process: [obj])."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

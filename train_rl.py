@@ -50,13 +50,14 @@ from configurator import configure
 from model import collate, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics
+from scheduler import dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics, task_metrics
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
 model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
 data_path = "out/data/train.jsonl"  # JSONL with the task's columns (the math task: "question" and "answer")
 task = "tasks/math.py"  # the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
+#                         (a data row with a "task" column is that task's: one run mixes tasks, metrics per task)
 run_dir = "out/tiny-rl"  # checkpoints (step_*/), metrics.jsonl and rollouts/ go here
 resume = False  # continue from the latest checkpoint in run_dir
 data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
@@ -86,6 +87,7 @@ tool_memory = 256 << 20  # bytes of address space per call (code-judge's MAX_MEM
 tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
 tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
 max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
+tool_call_timeout = 0.0  # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
 # optimisation
 lr = 1e-6  # AdamW learning rate (paper: 1e-6)
 warmup_steps = 20  # linear warm-up, then constant
@@ -143,12 +145,16 @@ ptdtype = getattr(torch, dtype)
 packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 try:
-    problems = read_jsonl(data_path, required=task_module.COLUMNS)
-except ValueError as e:  # names the file and line
+    problems = read_jsonl(data_path, required=lambda row: grading.row_task(row, task_module).COLUMNS)
+except (ValueError, FileNotFoundError) as e:  # names the file and line (or the task file a row names)
     raise SystemExit(f"data error: {e}")
 # each prompt rendered by the task and tokenized once, kept as int32 (a Python list of ints takes ~9x the
 # memory: 42K prompts, every rank)
-prompt_ids = [np.asarray(tokenizer.encode(task_module.prompt(p), add_special_tokens=False), np.int32) for p in problems]
+prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False),
+                         np.int32) for p in problems]
+# the run's tasks by name (tasks/math.py: "math"), and every tool they offer (the metrics count calls per tool)
+task_names = sorted({grading.row_task(p, task_module).__name__ for p in problems})
+tool_names = list(dict.fromkeys(name for p in problems for name in grading.row_task(p, task_module).TOOLS))
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
 print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
@@ -266,7 +272,7 @@ grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=probl
 engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, max_rows=rollouts_per_rank,
                 reserve="auto" if kv_reserve is None else kv_reserve, temperature=temperature, top_p=top_p, seed=seed,
                 tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
-                deterministic=deterministic, tool_table=task_module.TOOLS)
+                deterministic=deterministic, tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
@@ -277,8 +283,10 @@ while step < steps:
     sync_policy()
     batch = [prompt_at(cursor + offset) for offset in range(prompts_per_step)]
     cursor += prompts_per_step
+    # each request with its row's tools, and the maker of its own environment when the row's task keeps state
     requests = [Request(prompt.tolist(), key=(step, group_index, sample_index),
-                        meta={"answer": problems[problem].get("answer"), "problem": problem})
+                        meta={"answer": problems[problem].get("answer"), "problem": problem},
+                        **grading.rollout_seam(problems[problem], task_module))
                 for group_index, (problem, prompt) in enumerate(batch) for sample_index in range(n_sample)]
     mine = generate(engine, requests, max_response_tokens, rollout_split, grader, counter=f"rl/{step}")
     t_rollout = time.perf_counter() - step_start
@@ -302,7 +310,9 @@ while step < steps:
         chosen = list(range(n_sample))
         if roc:
             for traj in groups[group]:
-                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers, traj.turns)
+                # an "overloaded" call (our sandbox's queue, not the policy) counts in neither side of p_err
+                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers,
+                                                traj.turns, num_overloaded=traj.calls.count("overloaded"))
             penalties = torch.tensor([traj.penalty for traj in groups[group]])
             chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
                                                   mode=roc_mode).tolist()
@@ -422,7 +432,10 @@ while step < steps:
     metrics = {
         "rollout/reward": rewards.mean().item(),
         # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
-        **rollout_metrics(trajs, task_module.TOOLS),
+        **rollout_metrics(trajs, tool_names),
+        # with more than one task in the run: reward, correct share and tool errors per task too (task/<name>/...)
+        **(task_metrics(trajs, lambda t: grading.row_task(problems[t.problem], task_module).__name__)
+           if len(task_names) > 1 else {}),
         "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "rollout/generated_here": len(mine),
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "rollout/preemptions": engine.stats["preemptions"], "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],

@@ -220,7 +220,8 @@ const pass = s => [...active].every(f => TEST[f](s));
 function sampleView(g, s) {
   const ok = s.correct;
   const box = el('div', 's' + (ok ? ' ok' : '') + (s.kept === false ? ' dropped' : ''));
-  let head = `#${s.sample} ${ok ? '✓' : '✗'} · ${s.finish} · ${s.turns} turns · ` +
+  // the reward beside the verdict: a partial reward (0.8) must not look like a 0
+  let head = `#${s.sample} ${ok ? '✓' : '✗'} reward ${fmt(s.reward)} · ${s.finish} · ${s.turns} turns · ` +
     `${s.tokens} tok (${s.model_tokens} sampled)`;
   if (s.kept !== undefined && s.kept !== null)
     head += g.kind === 'mixed' ? ` · ${s.kept ? 'kept' : 'dropped'} p=${fmt(s.penalty)}` +

@@ -57,7 +57,7 @@ def answer(turns):
     return code.strip() or None
 
 
-def grade(row, pred, turns, grader):
+def grade(row, pred, turns, grader, trajectory):
     tests = row["tests"]
     if not pred or not tests:
         return 0.0, False

@@ -9,11 +9,16 @@ A task is one file like this one, named by the `task` key of train_rl.py and eva
     TOOLS          its tool table, name -> agent.Tool (schema + run); {} offers no tool
     prompt(row)    the whole prompt text of a data row (agent.prompt_text renders the protocol's)
     answer(turns)  the prediction read from the sampled turns (maj@k votes on it; None: no answer)
-    grade(row, pred, turns, grader) -> (reward in [0, 1], correct): reward is what training uses, correct what
-                   avg@k / pass@k / maj@k and the metrics count. It runs on grading.Grader's threads, under its
-                   bounds; the grader offers what a grade may need: grader.run_in_helper (a function in a
-                   helper process, killed when late), grader.refuses (the size bound), grader.sandbox (the
-                   sandbox pool).
+    grade(row, pred, turns, grader, trajectory) -> (reward in [0, 1], correct): reward is what training uses,
+                   correct what avg@k / pass@k / maj@k and the metrics count. It runs on grading.Grader's threads,
+                   under its bounds; the grader offers what a grade may need: grader.run_in_helper (a function
+                   in a helper process, killed when late), grader.refuses (the size bound), grader.sandbox (the
+                   sandbox pool); trajectory.tool_calls holds the call records (tool, arguments, status, output)
+                   and trajectory.environment the environment's final state.
+and may define
+    environment(row)  one new object per trajectory, the state its tools share (a game, a session): the tools
+                   marked agent.Tool(stateful=True) run on it, grade() reads it, its close() runs when the
+                   trajectory ends however it ends (tasks/gridworld.py is the worked example)
 
 `row` is the whole JSONL row: every column reaches prompt() and grade().
 """
@@ -67,7 +72,7 @@ def answer(turns):
     return agent.extract_answer(turns)
 
 
-def grade(row, pred, turns, grader):
+def grade(row, pred, turns, grader, trajectory):
     score = reward(turns, row["answer"], grader)  # 1.0 or 0.0
     return score, score == 1.0
 

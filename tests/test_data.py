@@ -263,3 +263,19 @@ def test_convert_command_line(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "wrote 2 problems" in p.stdout
     assert read_out(tmp_path / "o.jsonl") == [{"question": "P", "answer": "7"}, {"question": "Q", "answer": "x^2"}]
+
+
+def test_task_data_commands_run(tmp_path):
+    # the README's "Fork it" commands for a task file, at toy sizes: the code task's set, then a task's SFT traces
+    def command(*args):
+        p = subprocess.run([sys.executable, "data.py", *args, f"--data_dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout
+    assert "code_train 3, code_heldout 2" in command("code-set", "--n_train=3", "--n_heldout=2")
+    code_rows = read_jsonl(str(tmp_path / "code_train.jsonl"), required=("question", "entry", "tests"))
+    assert len(code_rows) == 3 and len(read_jsonl(str(tmp_path / "code_heldout.jsonl"), required=("tests",))) == 2
+    common_write_jsonl(str(tmp_path / "train.jsonl"), data.make_problems(5, seed=0, max_digits=3, max_ops=2))
+    assert "wrote 3 traces" in command("traces", "--task=tasks/calculator.py", "--n_sft=3")
+    traces = read_jsonl(str(tmp_path / "sft_calculator.jsonl"), required=("messages", "tools"))
+    assert all(m["content"].startswith("Tool call") for t in traces for m in t["messages"] if m["role"] == "tool")

@@ -93,6 +93,7 @@ def test_metrics_hand_computed():
     assert s["pass@4"] == s["pass@k"] == 1.0
     assert set(k for k in s if k.startswith("pass@")) == {"pass@1", "pass@2", "pass@4", "pass@k"}
     assert s["maj@k"] == pytest.approx(2 / 3)
+    assert s["reward"] == pytest.approx(5 / 12)  # the mean reward beside avg@k (math-verify's, whatever the finish)
     assert [p["maj_answer"] for p in per] == ["42", "7", "3"] and [p["maj_correct"] for p in per] == [1.0, 0.0, 1.0]
     lengths = [10, 20, 30, 40] + [5] * 4 + [100] * 4
     model = [6, 20, 10, 40] + [5] * 4 + [50] * 4

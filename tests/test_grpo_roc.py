@@ -30,6 +30,15 @@ def test_penalty_hand_values():
     assert penalty(0, 0, 1, 0) == 1.5
 
 
+def test_overloaded_calls_count_in_neither_side_of_p_err():
+    # 1 failed, 1 clean and 2 overloaded calls: p_err 1/2, not 1/4 (overloads counted clean) nor 3/4 (as failures)
+    assert penalty(4, 1, 1, 1, num_overloaded=2) == pytest.approx(0.5)
+    assert penalty(2, 0, 1, 1, num_overloaded=2) == 0.5  # every call overloaded: as if it made none
+    assert penalty(3, 0, 1, 1, num_overloaded=1) == penalty(2, 0, 1, 1) == 0.0
+    with pytest.raises(ValueError, match="num_overloaded"):
+        penalty(2, 2, 1, 1, num_overloaded=1)  # more failures than calls that count
+
+
 def test_penalty_bad_input():
     for args in [(1, 2, 1, 1), (0, -1, 1, 1), (0, 0, -1, 1), (0, 0, 1, -1)]:
         with pytest.raises(ValueError, match="num_errors <= num_calls"):

@@ -86,8 +86,8 @@ def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
 
 
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
-    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: (1.5, True))
-    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader: 1 / 0)
+    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: (1.5, True))
+    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: 1 / 0)
     for task in (bad, raises):
         g = grading.Grader(CHARS, task=task, rows=[ROW])
         g(trajectory("<answer>x</answer>"))
@@ -195,8 +195,8 @@ def test_reward(grader):
         MATH.reward("<answer>\\boxed{1}</answer>", 1, grader)
     assert MATH.reward(boxed("\\frac{2}{4}"), "0.5") == 1.0  # without a grader: one of its own
     # grade() is reward() on the row's gold, correct when it is 1
-    assert MATH.grade({"answer": "0.5"}, "\\frac{2}{4}", [boxed("\\frac{2}{4}")], grader) == (1.0, True)
-    assert MATH.grade({"answer": "0.5"}, "3", [boxed("3")], grader) == (0.0, False)
+    assert MATH.grade({"answer": "0.5"}, "\\frac{2}{4}", [boxed("\\frac{2}{4}")], grader, None) == (1.0, True)
+    assert MATH.grade({"answer": "0.5"}, "3", [boxed("3")], grader, None) == (0.0, False)
 
 
 # the relation forms math-verify reads one side of: issue 46's sixteen, then what else its parser

@@ -305,3 +305,17 @@ def test_eval_page(sft, tmp_path, browser):  # noqa: F811
     assert browser.text("#stats") == "eval · 3 prompts × 2 samples"
     assert browser.js("document.querySelector('#filters button[data-f=kept]')") is None  # no RoC in an eval
     assert browser.js("document.querySelectorAll('svg.chart').length") == 0
+
+
+def test_a_partial_reward_is_shown_beside_the_verdict(browser, tmp_path):
+    # a 0.8 (a grid walk with one move too many, 4 of 5 hidden tests) must not look like a 0
+    path = tmp_path / "step_000007.jsonl.gz"
+    recs = synthetic(path, 1, 2, tokens=60)
+    recs[0].update(reward=0.8, correct=False)
+    recs[1].update(reward=1.0, correct=True)
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    make_page(path)
+    browser.open(tmp_path / "step_000007.html")
+    heads = browser.js("[...document.querySelectorAll('.sh')].map(e => e.textContent)")
+    assert heads[0].startswith("#0 ✗ reward 0.80 · ") and heads[1].startswith("#1 ✓ reward 1.00 · ")
