@@ -225,6 +225,9 @@ axes[1].set_title("tool error ratio in correct trajectories")
 axes[2].set_title("response length (tokens)")
 axes[3].set_title("|engine - trainer log-prob|, loss tokens")
 axes[3].set_yscale("symlog", linthresh=1e-6)
+# from 0 to at least 2e-6: the axis then holds the ticks 0 and 1e-6 (and a decade per order above), so its labels
+# stay short and inside the frame; fp32 gaps alone (~5e-7) once got two 12-character end labels drawn past it
+axes[3].set_ylim(0, max(2e-6, axes[3].get_ylim()[1]))
 labels = ["after SFT"] + [f"after {n}" for n in after]
 accs = [before["avg@k"]] + [a["avg@k"] for a in after.values()]
 errs = [before["avg@k_se"]] + [a["avg@k_se"] for a in after.values()]
