@@ -1,5 +1,6 @@
 """demo.py's curves.png, drawn from a made-up finished run (every stage's output present, so nothing trains): each
-panel's tick labels are short and sit at ticks inside its frame, at the size the demo writes (issue #46 item 5)."""
+panel's tick labels are short and sit at ticks inside its frame, at the size the demo writes (issue #46 item 5),
+and summary.md says where its rows fall against what the same command printed before (item 1)."""
 import json
 import os
 import runpy
@@ -8,7 +9,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def made_up_run(base, gap):
+def made_up_run(base, gap, sft_acc=0.474):
     """The files demo.py reads, as a finished default run leaves them; gap: every step's mismatch/abs_mean."""
     for path in ("data/sft.jsonl", "tiny-sft/model.safetensors"):
         os.makedirs(os.path.dirname(base / path), exist_ok=True)
@@ -18,7 +19,7 @@ def made_up_run(base, gap):
         for step in range(1, 101):
             f.write(json.dumps({"step": step, "rollout/reward": 0.5 + step / 400, "tool/err_pos": 0.1 / step,
                                 "rollout/response_len": 40 + step % 7, "mismatch/abs_mean": gap * (1 + step % 9 / 50)}) + "\n")
-    for name, acc in (("sft", 0.474), ("GRPO-RoC", 0.611)):
+    for name, acc in (("sft", sft_acc), ("GRPO-RoC", 0.611)):
         os.makedirs(base / "demo" / f"eval_{name}")
         summary = {"avg@k": acc, "avg@k_se": 0.02, "pass@k": 0.85, "samples": 4, "temperature": 1.0, "problems": 256,
                    "tool/calls": 1.1, "tool/err": 0.1, "rollout/response_len": 45.0}
@@ -49,3 +50,18 @@ def test_the_curves_keep_their_tick_labels_inside_their_frames(tmp_path, monkeyp
                 assert box.width <= widest_linear + 2, (gap, index, label.get_text(), box.width, widest_linear)
                 assert box.x0 >= 0 and (index == 0 or box.x0 >= axes[index - 1].get_window_extent(renderer).x1)
         assert os.path.exists(base / "demo" / "curves.png")
+
+
+def test_the_summary_says_where_its_rows_fall_against_earlier_runs(tmp_path, monkeypatch):
+    # the SFT row at 40.0%: 7.4 points under the lowest earlier run; the RL row inside the earlier runs' range
+    made_up_run(tmp_path, 5e-7, sft_acc=0.40)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}"])
+    runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
+    text = (tmp_path / "demo" / "summary.md").read_text()
+    assert "- after SFT: 40.0%, 7.4 points outside it (this row's s.e.: 2.0): 47.4-55.0% before" in text, text
+    assert "- after GRPO-RoC (100 steps): 61.1%, inside that range: 61.1-61.6% before" in text, text
+    # a run with other settings is not compared
+    monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", "--eval.samples=2"])
+    runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
+    assert "against earlier runs" not in (tmp_path / "demo" / "summary.md").read_text()
