@@ -168,6 +168,9 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
                 if on_graded is not None:
                     on_graded(traj, summaries[-1])
                 waiting.remove((traj, grade))
+                # the grader keeps every grade's future until results() (~1.9 KB each, with its lock and
+                # deque): a grade read here is dropped there too, so memory stays flat over 42K × 8 samples
+                grader.pending.pop(traj.key, None)
 
     def on_finish(traj):
         waiting.append((traj, grader(traj)))
@@ -199,7 +202,7 @@ def keep_by_correct(problems, per_problem, fewest, most):
 # the script
 
 if __name__ == "__main__":
-    import resource
+    import contextlib
 
     import numpy as np
     import torch
@@ -294,6 +297,10 @@ if __name__ == "__main__":
         dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
                              tokenizer.decode(traj.prompt_ids)))
 
+    # the peak reported below is the evaluation's own: the load's (torch, the weights) is forgotten here
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     t0 = time.time()
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                      isolation=tool_isolation) as tools:
@@ -304,8 +311,12 @@ if __name__ == "__main__":
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
                                         score_truncated=score_truncated, prompt_ids=prompt_ids,
                                         on_graded=write if save_trajectories else None, task=task_module)
+    # rank 0's peak RSS since the load: VmHWM is this process's own (ru_maxrss also counts the memory its parent
+    # had when it forked this process, e.g. a test runner's)
+    with open("/proc/self/status") as f:
+        peak_kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     summary.update(model=model_path, temperature=temperature, wall_s=time.time() - t0, config=cfg,
-                   peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # rank 0's
+                   peak_rss_mib=peak_kib / 1024)
     if dump:
         dump.close()
     barrier()

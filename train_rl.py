@@ -173,9 +173,24 @@ def prompt_at(c):
     """The c-th prompt of the data stream."""
     return data[prompt_order(c // len(data))[c % len(data)]]
 
+# every check that can refuse the run (config, data, the checkpoint to resume, the sandbox, the engine's settings)
+# comes before anything in run_dir changes: a refused resume leaves metrics.jsonl and rollouts/ as they were
+start = latest_checkpoint(run_dir) if resume else None
+if resume and not start:
+    raise SystemExit(f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
+                     "nothing to resume; drop --resume to start this run from step 0")
+# the tool's sandbox pool, started (or refused) before the model loads, and asked one call to see it answers
+try:
+    tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
+                        isolation=tool_isolation).start()
+except (ValueError, RuntimeError) as e:
+    raise SystemExit(f"sandbox error: {e}")
+probe = tools.map(["print(6 * 7)"])[0]
+if probe.stdout.strip() != "42":
+    tools.close()
+    raise SystemExit(f"sandbox error: a probe call printed {probe.stdout!r} ({probe.status}: {probe.stderr[-300:]})")
 # the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank, built
 # empty: sync_policy fills it before the first rollout (reading the checkpoint once, not twice)
-start = latest_checkpoint(run_dir) if resume else None
 init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
 policy = load_model(init_path, device="meta", dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
@@ -193,10 +208,6 @@ if start:
     state = load_trainer_state(start, model, optimizer)
     step, cursor = state["step"], state["cursor"]
     print0(f"resumed from {start} at step {step}")
-    if rank == 0:  # the dumps of the steps after it are about to be made again (metrics.jsonl: see Logger)
-        for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
-            if int(os.path.basename(path)[5:11]) > step:
-                os.remove(path)
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
@@ -260,9 +271,6 @@ def dump_step(step, mine, summaries):
         join_parts(path, world)
 
 
-logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
-tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
-                    isolation=tool_isolation).start()
 # this rank's share of a step's rollouts: the most rows its engine holds at once (with reserve="auto" an engine
 # holding more would take rollouts from engines that would run them sooner), and the most rows of KV it needs
 rollouts_per_rank = -(-prompts_per_step * samples_per_prompt // world)
@@ -273,6 +281,13 @@ engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len
                 reserve="auto" if kv_reserve is None else kv_reserve, temperature=temperature, top_p=top_p, seed=seed,
                 tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
                 deterministic=deterministic, tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+# every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
+# made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
+if start and rank == 0:
+    for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
+        if int(os.path.basename(path)[5:11]) > step:
+            os.remove(path)
+logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
