@@ -68,6 +68,7 @@ import argparse
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import json
 import math
@@ -888,47 +889,70 @@ def update_step(reps, max_tokens=4096):
     weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
     micro-batches from common.pack (longest first into the emptiest bin, right-padded rows) and the output
     layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
-    together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm."""
+    together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm.
+    Issue 45's arms, on now's micro-batches: "unfused" writes RMSNorm out as model.py did before (six ops and
+    their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs model.compile_blocks
+    (inductor; its compile is timed apart, before the rounds)."""
+    import copy
     from common import pack, pack_sorted
-    from model import Config, Qwen
+    from model import Config, Qwen, compile_blocks
     cfg = Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen(cfg)
+    compiled = compile_blocks(copy.deepcopy(model))
     seqs = tiny_rl_batch()
     lengths = [len(x["ids"]) for x in seqs]
     n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
-    plans = {"before": (pack(lengths, max_tokens), False), "now": (pack_sorted(lengths, max_tokens), True)}
+    # name: (micro-batches, the output layer at the loss positions only, the model, RMSNorm written out)
+    plans = {"before": (pack(lengths, max_tokens), False, model, False),
+             "unfused": (pack_sorted(lengths, max_tokens), True, model, True),
+             "now": (pack_sorted(lengths, max_tokens), True, model, False),
+             "compiled": (pack_sorted(lengths, max_tokens), True, compiled, False)}
     out = {}
 
+    def written_out(self, x):  # model.RMSNorm.forward before F.rms_norm
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
     def update(name):
-        bins, at_loss = plans[name]
+        bins, at_loss, net, unfused = plans[name]
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
         loss_sum, entropy = 0.0, 0.0
-        for idx in bins:
-            m = collate([seqs[i] for i in idx], "cpu", packed=False)
-            where = m["mask"].bool() if at_loss else None
-            lp, ent = token_logprobs(model, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
-            loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
-            loss.backward()
-            loss_sum, entropy = loss_sum + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        with unittest.mock.patch.object(modeling.RMSNorm, "forward", written_out) if unfused else contextlib.nullcontext():
+            for idx in bins:
+                m = collate([seqs[i] for i in idx], "cpu", packed=False)
+                where = m["mask"].bool() if at_loss else None
+                lp, ent = token_logprobs(net, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
+                loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
+                loss.backward()
+                loss_sum, entropy = loss_sum + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
+        norm = float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0))
+        out[name] = (loss_sum, entropy, norm, [p.grad.clone() for p in net.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out[name] = (loss_sum, entropy, norm)
-    (before, now), rounds = medians([lambda: update("before"), lambda: update("now")], reps)
+    t0 = time.perf_counter()
+    update("compiled")  # the compile, timed apart
+    compile_s = time.perf_counter() - t0
+    times, rounds = medians([functools.partial(update, name) for name in plans], reps)
     print(f"\n(u) the policy update of one tiny RL step: {len(seqs)} trajectories, {sum(lengths):,} tokens, "
           f"the loss on {int(n_tokens):,}; tiny model shape ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
           f"{cfg.vocab_size}), {rounds} rounds, load average {load():.2f}")
     print(f"{'':8s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
-          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s}")
-    for name, t in (("before", before), ("now", now)):
-        bins, at_loss = plans[name]
+          f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s} {'max |grad - now|':>16s}")
+    for name, t in zip(plans, times):
+        bins, at_loss = plans[name][:2]
         slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
-        loss, ent, norm = out[name]
+        loss, ent, norm, grads = out[name]
+        diff = max(float((a - b).abs().max()) for a, b in zip(grads, out["now"][3]))
         print(f"{name:8s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
-              f"{loss:12.8f} {ent:9.5f} {norm:10.6f}")
-    print(f"goal: the update >= x1.4 faster than before: x{before / now:.2f}")
+              f"{loss:12.8f} {ent:9.5f} {norm:10.6f} {diff:16.2e}")
+    speed = dict(zip(plans, times))
+    print(f"goal: the update >= x1.4 faster than before: x{speed['before'] / speed['now']:.2f}")
+    print(f"issue 45: now / unfused x{speed['unfused'] / speed['now']:.2f}, compiled / unfused "
+          f"x{speed['unfused'] / speed['compiled']:.2f}, compiled / now x{speed['now'] / speed['compiled']:.2f} "
+          f"(goal >= x1.3 of today's); compile {compile_s:.1f} s (first update, not in the rounds)")
 
 
 def grading(tok, reps, prompts=8, samples=16):
