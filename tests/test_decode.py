@@ -75,3 +75,14 @@ def test_padded_buckets_match_forward_cached(tiny):
     # only the padding rows wrote into the spare page (the pool's last); the rows' own pages are alike
     assert caches[0].k[:, :, -1].abs().sum() == 0 < caches[1].k[:, :, -1].abs().sum()
     assert torch.allclose(caches[0].k[:, :, :-1], caches[1].k[:, :, :-1], atol=1e-5)
+
+
+def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
+    """bench.py gpu's section 3b (eager vs CUDA-graph decode steps) at toy sizes on the CPU, where the static
+    steps run eagerly: both sides at each batch, the same tokens, and the first (capturing) run timed apart"""
+    import bench
+    bench.random_qwen3(str(tmp_path), dry=True)
+    rows = bench.gpu_graphs(str(tmp_path), "cpu", True, (1, 3), 8, 6, None, lambda: None)
+    assert [(r["batch"], r["side"]) for r in rows] == [(1, "eager"), (1, "static"), (3, "eager"), (3, "static")]
+    assert all(r["same_tokens"] == r["rows"] == r["batch"] for r in rows)
+    assert [r["first_run_s"] is not None for r in rows] == [False, True, False, True]
