@@ -187,7 +187,7 @@ def attend(q, k, v, att, layer_idx):
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    (kc, vc), Hkv = cache.layers[layer_idx], k.shape[2]  # this layer's pool (KVCache: its layouts)
+    kc, vc, Hkv = cache.k[layer_idx], cache.v[layer_idx], k.shape[2]  # this layer's pool (KVCache: its layouts)
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
     # in pages the row does not hold, which belong to other rows); real selects them (all of them, decoding)
     news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
@@ -206,11 +206,8 @@ def attend(q, k, v, att, layer_idx):
     # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
     if att["fresh"]:  # prompts: causal attention over the new tokens alone, nothing read from the pages
         return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
-    if "stale" in att:
-        kg, vg = cache.gather(layer_idx, att["table"], att["stale"])
-    else:  # a static decode step (Qwen.static_step): every row's pages afresh, into fixed shapes, nothing kept
-        kg, vg = (c[:, att["table"]].flatten(2, 3) for c in (kc, vc))  # (Hkv, B, P * ps, hd)
-    if att.get("stale") is not None:  # the kept rows take their new tokens (the stale ones got them from the pages)
+    kg, vg = cache.gather(layer_idx, att["table"], att["stale"])
+    if att["stale"] is not None:  # the kept rows take their new tokens (the stale ones got them from the pages)
         for buf, new in zip((kg, vg), news):
             buf.view(Hkv, -1, hd).index_copy_(1, att["where"], new.transpose(0, 1))
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
@@ -299,9 +296,6 @@ class Qwen(nn.Module):
         # tied: no lm_head module at all, the embedding matrix is the head (state dict has no lm_head.weight)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
-        # one-token forwards (decode steps): "eager" (forward_cached as is) or static shapes (static_step) run
-        # "static", "compile" (inductor) or "graphs" (CUDA graphs); the inductor function, made on first use
-        self.decode_mode, self.compiled = "eager", None
         # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
         for name, p in self.named_parameters():
             if p.is_meta:
@@ -396,36 +390,26 @@ class Qwen(nn.Module):
             raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens in "
                              f"{int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more (max_len "
                              f"{cache.max_len}): grow the row first")
-        weight = self.model.embed_tokens.weight
-        if (cache.k.dtype, cache.k.device) != (weight.dtype, weight.device):
-            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {weight.dtype} on "
-                             f"{weight.device}")
-        dev, static = weight.device, T == 1 and self.decode_mode != "eager"  # static: see static_step
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        if (cache.k.dtype, cache.k.device) != (x.dtype, x.device):
+            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
         ps, P = cache.page_size, cache.pages(int((lengths + T).max()))
-        if static:  # the pages read: a power of two, at most a whole row's
-            P = min(1 << (P - 1).bit_length(), cache.table.shape[1])
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
-        if static:  # the rows: a power of two, the padding rows' token written into the pool's spare page
-            pad = (1 << (B - 1).bit_length()) - B
-            input_ids, pos, table = (F.pad(z, (0, 0, 0, pad)) for z in (input_ids, pos, table))
-            slots = F.pad(slots, (0, pad), value=cache.num_pages * ps)
-        att = dict(cache=cache, slots=slots.to(dev),
-                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(dev),
-                   fresh=not (static or lengths.any()))  # fresh: rows with nothing in the cache yet (prompts)
+        att = dict(cache=cache, slots=slots.to(x.device),
+                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(x.device),
+                   fresh=not lengths.any())  # fresh: rows with nothing in the cache yet (prompts)
         if cache.flash:
-            att.update(table=table.to(dev, torch.int32), seqlens=(pos[:, -1] + 1).to(dev, torch.int32))
+            att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
         elif not att["fresh"]:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
             # (one token per row, T = 1: the query heads share the one copy, broadcast)
             rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
-            mask = torch.zeros(mask.shape, dtype=weight.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)
-            att.update(table=table.to(dev), mask=mask[None].to(dev))
-        if not (static or cache.flash or att["fresh"]):
+            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
             # the keys gathered by the last forward (that went through the kept gather) are kept: with as many
             # rows and pages, a row in the same place holding what it left there reads them, plus its new ones (a
             # decode step, usually); the other rows (stale) are gathered afresh, all of them when the shape changed
@@ -433,59 +417,15 @@ class Qwen(nn.Module):
             stale = None if (last_P, len(last)) != (P, B) else [b for b in range(B) if last[b] != now[b]]
             cache.last = (P, list(zip(rows.tolist(), (lengths + n).tolist())))
             where = (torch.arange(B)[:, None] * P * ps + pos)[real]  # (N,) each one's place in the kept gather
-            att.update(where=where.to(dev),
-                       stale=stale if stale is None else torch.tensor(stale, dtype=torch.long, device=dev))
-        if static:
-            logits = self.static_step(input_ids, pos.to(dev), att)[:B]
-        else:
-            logits = self.run_cached(input_ids, pos.to(dev), att, n - 1 if last_only else None)
-        cache.lengths[rows] += n
-        return logits
-
-    def run_cached(self, input_ids, pos, att, last=None):
-        """forward_cached's tensor work, once att is set up: logits (B, T, V), or (B, 1, V) at each row's
-        position `last` (B,). A static step's: no Python-side shape change, so it compiles and captures whole."""
-        x = self.model.embed_tokens(input_ids)  # (B, T, D)
-        cos, sin = rope_cos_sin(pos, self.cfg, x.dtype)
+            att.update(table=table.to(x.device), mask=mask.to(x.device), where=where.to(x.device),
+                       stale=stale if stale is None else torch.tensor(stale, dtype=torch.long, device=x.device))
+        cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, att)
-        if last is not None:
-            x = x[torch.arange(len(x)), last][:, None]  # (B, 1, D): each row's last real token
+        if last_only:
+            x = x[torch.arange(B), n - 1][:, None]  # (B, 1, D): each row's last real token
+        cache.lengths[rows] += n
         return F.linear(self.model.norm(x), self.head_weight())  # (B, T or 1, V)
-
-    def static_step(self, input_ids, pos, att):
-        """A one-token forward (a decode step) at fixed shapes, set up by forward_cached: the rows padded to a
-        power of two (their tokens written into a spare page), the page table to a power of two pages, every
-        row's pages gathered afresh (SDPA) or read through the table (flash-attn), no data-dependent branch.
-        self.decode_mode says how it runs: "static" eagerly; "compile" through inductor (torch.compile, on a
-        CPU too; the first step of each shape compiles); "graphs" as a CUDA graph per shape, captured at its
-        first step and replayed after, the inputs copied into the graph's own (vLLM's and SGLang's way of
-        launching a step's hundreds of small kernels at once). The same tokens as "eager" (tests/test_decode.py)."""
-        if self.decode_mode == "static":
-            return self.run_cached(input_ids, pos, att)
-        if self.decode_mode == "compile":
-            self.compiled = self.compiled or torch.compile(self.run_cached)
-            return self.compiled(input_ids, pos, att)
-        if self.decode_mode != "graphs" or not input_ids.is_cuda:
-            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static, compile or graphs (on a GPU)")
-        cache, names = att["cache"], [k for k, v in att.items() if torch.is_tensor(v)]
-        inputs = [input_ids, pos] + [att[k] for k in names]
-        key = tuple(tuple(z.shape) for z in inputs)
-        if key not in cache.graphs:
-            copies = [z.clone() for z in inputs]
-            args = (*copies[:2], {**att, **dict(zip(names, copies[2:]))})
-            # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does; its writes into the
-            # pool are the step's own, which the replay repeats
-            self.run_cached(*args)
-            graph, cache.graph_pool = torch.cuda.CUDAGraph(), cache.graph_pool or torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=cache.graph_pool):  # the graphs share one memory pool
-                out = self.run_cached(*args)
-            cache.graphs[key] = graph, copies, out
-        graph, copies, out = cache.graphs[key]
-        for copy, z in zip(copies, inputs):
-            copy.copy_(z)
-        graph.replay()
-        return out.clone()  # the next replay of any graph of the pool may overwrite out
 
 
 def compile_blocks(model):
@@ -563,17 +503,12 @@ class KVCache:
             raise ValueError(f"a pool of {self.num_pages} pages of {page_size} tokens cannot hold one row of "
                              f"max_len {max_len}")
         L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        # one page more than the rows can hold: a static decode step writes its padding rows' tokens into it
-        pool = (self.num_pages + 1, page_size, Hkv, hd) if self.flash else (Hkv, self.num_pages + 1, page_size, hd)
+        pool = (self.num_pages, page_size, Hkv, hd) if self.flash else (Hkv, self.num_pages, page_size, hd)
         self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
         self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        # layer i's pools as views of their own: inductor writes a compiled step's tokens into these in place, but
-        # copies a pool whole when the step indexes the layer itself (x15 slower than eager at batch 32)
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, [(row, tokens) per place])
         self.kept, self.buffers, self.last = [None] * L, [self.k.new_empty(0) for _ in range(L)], None
-        self.graphs, self.graph_pool = {}, None  # static decode steps captured as CUDA graphs, by their shapes
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
         self.npages = torch.zeros(num_rows, dtype=torch.long)
