@@ -118,7 +118,7 @@ def test_truncated_rollouts_score_zero_unless_asked(tok):
 def test_grading_does_not_block_the_caller(tok, monkeypatch):
     release = threading.Event()
 
-    def slow_grade(row, pred, turns, grader):
+    def slow_grade(row, pred, turns, grader, trajectory):
         release.wait(30)
         return 1.0, True
     g = grading.Grader(tok, task=types.SimpleNamespace(answer=MATH.answer, grade=slow_grade))
