@@ -1008,7 +1008,7 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
           f"reference's forward (time/reference) {ref:.3f} s = {ref / now:.0%} of the update without it")
 
 
-def grading(tok, reps, prompts=8, samples=16):
+def grading_off_the_loop(tok, reps, prompts=8, samples=16):
     """(g) one tiny RL step's rollouts whose answers need math-verify (fractions), graded inline in the engine's
     on_finish vs by grading.Grader off the decode loop; the end of the timing is every grade in hand."""
     qs = [f"What is {i} / {i + 7}?" for i in range(1, prompts + 1)]
@@ -1384,7 +1384,7 @@ if __name__ == "__main__":
         if "u" in args.sections:
             update_step(args.reps)
         if "g" in args.sections:
-            grading(tok, args.reps)
+            grading_off_the_loop(tok, args.reps)
         if "k" in args.sections:
             print("\n(k) the paged engine (over-commit + preemption; reserve 0.5 and reserve=auto) vs the "
                   "full-reservation engine (reserve 1.0), on (l)'s and (b)'s workloads, greedy; mean batch: rows per "
