@@ -226,14 +226,14 @@ PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "transformers", "py
 
 
 def serve():
-    """The zygote: import PRELOAD, then for each job on stdin ({"argv", "log"}) fork a child that
-    runs the script as `python argv...` would, and answer {"rc"} on stdout."""
+    """The zygote: import PRELOAD, then for each job on stdin ({"argv", "log", "timeout"}) fork a
+    child that runs the script as `python argv...` would, and answer {"rc"} on stdout."""
     sys.path[0] = ROOT  # where `python script.py` finds the flat modules: the script's real folder
     for module in PRELOAD:
         importlib.import_module(module)
     for line in sys.stdin:
         job = json.loads(line)
-        deadline = time.time() + TIMEOUT
+        deadline = time.time() + job["timeout"]
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
@@ -295,10 +295,10 @@ class Checkout:
                                        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        text=True)
 
-    def run(self, argv):
+    def run(self, argv, timeout=TIMEOUT):
         self.count += 1
         log = os.path.join(self.path, f"command_{self.count:02d}.log")
-        self.zygote.stdin.write(json.dumps({"argv": argv, "log": log}) + "\n")
+        self.zygote.stdin.write(json.dumps({"argv": argv, "log": log, "timeout": timeout}) + "\n")
         self.zygote.stdin.flush()
         answer = self.zygote.stdout.readline()
         assert answer, f"the zygote died (exit {self.zygote.wait()})"
@@ -370,7 +370,8 @@ def test_the_command_runs_at_toy_size(command, checkout):
 
 def test_a_failing_command_fails_with_its_exit_code_and_words(checkout):
     # what the test above reads when a command breaks: a config error's exit 2 and line,
-    # sys.exit("...")'s exit 1 and message, an uncaught exception's exit 1 and traceback
+    # sys.exit("...")'s exit 1 and message, an uncaught exception's exit 1 and traceback, a hung
+    # command's SIGKILL at its timeout, with the process it started
     rc, output = checkout.run(["train_rl.py", "configs/tiny_rl.py", "--stepz=1"])
     assert rc == 2 and "unknown key 'stepz' (did you mean 'steps'?)" in output, (rc, output)
     rc, output = checkout.run(["data.py", "convert", "nowhere.jsonl", "out/x.jsonl"])
@@ -380,6 +381,24 @@ def test_a_failing_command_fails_with_its_exit_code_and_words(checkout):
     rc, output = checkout.run(["out/raises.py", "boom"])
     assert rc == 1 and output.startswith("before\nTraceback"), (rc, output)
     assert "ValueError: boom" in output, output
+    with open(os.path.join(checkout.path, "out", "hangs.py"), "w") as f:
+        f.write("import subprocess, time\n"
+                "child = subprocess.Popen(['sleep', '60'])\n"
+                "print(child.pid, flush=True)\n"
+                "time.sleep(60)\n")
+    started = time.time()
+    rc, output = checkout.run(["out/hangs.py"], timeout=1)
+    assert rc == -signal.SIGKILL and time.time() - started < 30, (rc, output)
+    # its `sleep` went with it: no such process, or a zombie that init has yet to reap
+    def alive(pid):
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 10
+    while alive(int(output)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(int(output)), output
 
 
 if __name__ == "__main__":
