@@ -90,47 +90,62 @@ def majority_vote(answers):
     """Index of the sample whose answer wins the vote (the first sample with it), or None when no sample
     has an answer. Ties go to the answer sampled first among the tied; None / "" answers do not vote."""
     keys = [normalize_answer(answer) if answer else None for answer in answers]
-    votes = [keys.count(key) if key is not None else 0 for key in keys]  # each sample's answer's votes
+    # each sample's answer's votes
+    votes = [keys.count(key) if key is not None else 0 for key in keys]
     return votes.index(max(votes)) if any(votes) else None  # index(): the first of the most voted
 
 
 def metrics(groups):
     """groups: one list of scheduler.Summary per problem, in sample order. Returns (summary, per_problem)."""
-    if not groups or any(len(g) != len(groups[0]) or not g for g in groups):
-        raise ValueError(f"need the same non-zero number of samples for every problem, got {[len(g) for g in groups]}")
+    if not groups or any(len(group) != len(groups[0]) or not group for group in groups):
+        raise ValueError(f"need the same non-zero number of samples for every problem, "
+                         f"got {[len(group) for group in groups]}")
     k = len(groups[0])
     trajs = [traj for group in groups for traj in group]
     per_problem = []
     for index, group in enumerate(groups):
+        # how many of the problem's k samples are right
         correct = sum(bool(traj.correct) for traj in group)
-        win = majority_vote([traj.pred for traj in group])  # the index of the vote's winner, None: no answer
+        # the index of the vote's winner, None: no sample answered
+        winner = majority_vote([traj.pred for traj in group])
+        # the problem's row: its counts, its vote, its lengths, its tool calls and endings
         per_problem.append({
-            "index": index, "gold": group[0].answer, "samples": k, "correct": correct, "accuracy": correct / k,
-            "maj_answer": None if win is None else group[win].pred,
-            "maj_correct": 0.0 if win is None else float(group[win].correct),
+            "index": index,
+            "gold": group[0].answer,
+            "samples": k,
+            "correct": correct,
+            "accuracy": correct / k,
+            "maj_answer": None if winner is None else group[winner].pred,
+            "maj_correct": 0.0 if winner is None else float(group[winner].correct),
             "preds": [traj.pred for traj in group],
             "response_len": statistics.fmean(traj.n_response for traj in group),
             "tool_calls": sum(len(traj.calls) for traj in group),
             "tool_errors": sum(agent.n_failed(traj.calls) for traj in group),
             "truncated": sum(traj.finish == "length" for traj in group),
         })
-    accs = [p["accuracy"] for p in per_problem]
+    accuracies = [row["accuracy"] for row in per_problem]
     summary = {
-        "problems": len(groups), "samples": k,
-        "avg@k": statistics.fmean(accs),
-        "reward": statistics.fmean(t.reward for t in trajs),  # the mean reward: partial rewards count, not only 1s
-        "avg@k_se": statistics.stdev(accs) / math.sqrt(len(accs)) if len(accs) > 1 else 0.0,
-        **{f"pass@{j}": statistics.fmean(pass_at_k(k, p["correct"], j) for p in per_problem)
-           for j in sorted({2 ** e for e in range(k.bit_length()) if 2 ** e < k} | {k})},
-        "pass@k": statistics.fmean(pass_at_k(k, p["correct"], k) for p in per_problem),
-        "maj@k": statistics.fmean(p["maj_correct"] for p in per_problem),
+        "problems": len(groups),
+        "samples": k,
+        "avg@k": statistics.fmean(accuracies),
+        # the mean reward: partial rewards count, not only 1s
+        "reward": statistics.fmean(traj.reward for traj in trajs),
+        "avg@k_se": statistics.stdev(accuracies) / math.sqrt(len(accuracies))
+                    if len(accuracies) > 1 else 0.0,
+        # pass@j for j = 1, 2, 4, ... below k, and k itself
+        **{f"pass@{attempts}": statistics.fmean(pass_at_k(k, row["correct"], attempts)
+                                                for row in per_problem)
+           for attempts in sorted({2 ** power for power in range(k.bit_length()) if 2 ** power < k}
+                                  | {k})},
+        "pass@k": statistics.fmean(pass_at_k(k, row["correct"], k) for row in per_problem),
+        "maj@k": statistics.fmean(row["maj_correct"] for row in per_problem),
         # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
         **rollout_metrics(trajs),
-        "rollout/response_len_median": statistics.median(t.n_response for t in trajs),
-        "rollout/sampled_len": statistics.fmean(t.n_sampled for t in trajs),
-        "rollout/sampled_len_median": statistics.median(t.n_sampled for t in trajs),
-        "rollout/max_turns_frac": sum(t.finish == "max_turns" for t in trajs) / len(trajs),
-        "rollout/no_answer_frac": sum(not t.pred for t in trajs) / len(trajs),
+        "rollout/response_len_median": statistics.median(traj.n_response for traj in trajs),
+        "rollout/sampled_len": statistics.fmean(traj.n_sampled for traj in trajs),
+        "rollout/sampled_len_median": statistics.median(traj.n_sampled for traj in trajs),
+        "rollout/max_turns_frac": sum(traj.finish == "max_turns" for traj in trajs) / len(trajs),
+        "rollout/no_answer_frac": sum(not traj.pred for traj in trajs) / len(trajs),
     }
     return summary, per_problem
 
@@ -149,24 +164,36 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     # each request with its row's tools, and the maker of its own environment when the row's task keeps state
-    requests = Lazy(len(problems) * samples, lambda j: Request(
-        list(map(int, prompt_ids[j // samples])), key=(0, j // samples, j % samples),
-        meta={"answer": problems[j // samples].get("answer"), "problem": j // samples},
-        **grading.rollout_seam(problems[j // samples], task)))
+    requests = Lazy(len(problems) * samples, lambda index: Request(
+        list(map(int, prompt_ids[index // samples])),
+        key=(0, index // samples, index % samples),
+        meta={"answer": problems[index // samples].get("answer"), "problem": index // samples},
+        **grading.rollout_seam(problems[index // samples], task)))
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
-    bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0, desc="eval", unit="traj",
-               dynamic_ncols=True)
+    bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0,
+               desc="eval", unit="traj", dynamic_ncols=True)
     # grades off the decode loop, by the task's rule, on its rows
-    grader = grading.Grader(tokenizer, score_truncated, task=task, rows=problems, sandbox=engine.tools)
-    waiting, summaries = [], []  # (trajectory, its grade's future); what is kept of the graded ones
+    grader = grading.Grader(tokenizer, score_truncated,
+                            task=task, rows=problems, sandbox=engine.tools)
+    # (trajectory, its grade's future) of the trajectories not yet graded
+    waiting = []
+    # what is kept of the graded ones
+    summaries = []
 
-    def let_go(final=None):  # the graded trajectories: summarised, handed to on_graded, dropped
+    def let_go(final=None):
+        """The graded trajectories: summarised, handed to on_graded, dropped. final (the grader's
+        results(), at the end): every trajectory still waiting takes its grade from there."""
         for traj, grade in list(waiting):
+            # a grade still running waits for a later call
             if final is not None or grade.done():
-                summaries.append(summarize(traj, grade.result() if grade.done() else final[traj.key]))
+                # what is kept of it: its summary, with the grade's result
+                summaries.append(summarize(traj,
+                                           grade.result() if grade.done() else final[traj.key]))
+                # handed over before it is let go (e.g. written down)
                 if on_graded is not None:
                     on_graded(traj, summaries[-1])
+                # let go: no longer waiting
                 waiting.remove((traj, grade))
                 # the grader keeps every grade's future until results() (~1.9 KB each, with its lock and
                 # deque): a grade read here is dropped there too, so memory stays flat over 42K × 8 samples
@@ -180,22 +207,27 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
-    trajs = sorted((s for part in gather(summaries) for s in part), key=lambda s: s.key)
+    trajs = sorted((summary for part in gather(summaries) for summary in part),
+                   key=lambda summary: summary.key)
     groups = [trajs[i * samples:(i + 1) * samples] for i in range(len(problems))]
     summary, per_problem = metrics(groups)
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
-    names = [grading.row_task(p, task).__name__ for p in problems]
+    names = [grading.row_task(problem, task).__name__ for problem in problems]
     if len(set(names)) > 1:
-        summary["tasks"] = {name: metrics([g for g, n in zip(groups, names) if n == name])[0]
+        summary["tasks"] = {name: metrics([group for group, group_name in zip(groups, names)
+                                           if group_name == name])[0]
                             for name in sorted(set(names))}
-    for row, p in zip(per_problem, problems):
-        row.update({"id": p["id"]} if "id" in p else {}, question=p.get("question"))
+    # each problem's row also says which problem it is: its id (when the row has one), its question
+    for row, problem in zip(per_problem, problems):
+        row.update({"id": problem["id"]} if "id" in problem else {},
+                   question=problem.get("question"))
     return summary, per_problem
 
 
 def keep_by_correct(problems, per_problem, fewest, most):
     """The problems that fewest..most of their samples got right (stage 3: 0..k-1; the label check: N..k)."""
-    return [problems[p["index"]] for p in per_problem if fewest <= p["correct"] <= most]
+    return [problems[row["index"]] for row in per_problem if fewest <= row["correct"] <= most]
+
 
 
 # -----------------------------------------------------------------------------
@@ -216,43 +248,58 @@ if __name__ == "__main__":
     from sandbox import SandboxPool
 
     # defaults: the paper's protocol (configs/eval_aime.py spells it out; configs/tiny_eval.py is the CPU run)
-    model_path = ""  # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
+    # HF directory (weights + tokenizer) or a run directory (its latest step_*/ with weights)
+    model_path = ""
     data_path = ""  # JSONL with the task's columns (the math task: "question" and "answer")
-    task = "tasks/math.py"  # the task file: prompt, tools, grade (tasks/math_no_tool.py: the same without the tool)
+    # the task file: prompt, tools, grade (tasks/math_no_tool.py: the same without the tool)
+    task = "tasks/math.py"
     out_dir = "out/eval"  # summary.json, summary.md, per_problem.jsonl, trajectories.jsonl go here
     samples = 16  # k samples per problem
     temperature = 0.6  # the paper's evaluation temperature
     top_p = 1.0  # nucleus sampling; 1.0 = off (the paper does not state it)
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
-    max_prompt_tokens = 2048  # a longer prompt is an error (the denominator must not change silently); with
-    #                           keep_unsolved it is skipped, as train_rl.py skips it
+    # a longer prompt is an error (the denominator must not change silently); with
+    # keep_unsolved it is skipped, as train_rl.py skips it
+    max_prompt_tokens = 2048
     max_turns = 30  # assistant turns per answer (the paper: 30)
-    max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
-    tool_call_timeout = 0.0  # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
-    tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
-    kv_capacity = 0  # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
+    # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
+    max_calls_per_turn = 1
+    # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
+    tool_call_timeout = 0.0
+    # chars per tool response, middle cut (the release: verl's max_tool_response_length)
+    tool_max_chars = 256
+    # KV-cache tokens per rank; 0 = 90% of free accelerator memory / up to 256 rows on CPU
+    kv_capacity = 0
     rollout_split = "dynamic"  # "dynamic" (claim by free KV) or "static" (fixed split)
-    deterministic = False  # True: the same numbers on a busy machine too (tool answers awaited; static split)
+    # True: the same numbers on a busy machine too (tool answers awaited; static split)
+    deterministic = False
     tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks
     tool_timeout = 4.0  # seconds per tool call
-    tool_memory = 256 << 20  # bytes of address space per tool call (code-judge's MAX_MEMORY default)
-    tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
+    # bytes of address space per tool call (code-judge's MAX_MEMORY default)
+    tool_memory = 256 << 20
+    # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
+    tool_isolation = "auto"
     seed = 0  # every trajectory's generator derives from (seed, problem, sample)
     limit = 0  # evaluate the first N problems only; 0 = all
     keep_unsolved = ""  # write the problems with pass rate < 1 to this JSONL (stage-3 filter)
-    keep_solved = ""  # write the problems >= keep_min_correct of whose samples are right (label check, §4.2)
+    # write the problems >= keep_min_correct of whose samples are right (label check, §4.2)
+    keep_solved = ""
     keep_min_correct = 2  # with keep_solved: the fewest right samples a kept problem has (paper: 2)
-    save_trajectories = True  # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
-    score_truncated = False  # True: grade trajectories cut by the budget (released code); paper: they score 0
+    # trajectories.jsonl; false for huge runs (42K problems × 8 × 12K tokens)
+    save_trajectories = True
+    # True: grade trajectories cut by the budget (released code); paper: they score 0
+    score_truncated = False
     dtype = "bfloat16"  # "float32" on CPU
-    dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
+    # a collective waiting longer raises (a rank died or hangs); see common.compute_init
+    dist_timeout_s = 1800
     cfg = configure(globals())
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
         raise SystemExit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
-    if not os.path.isfile(os.path.join(model_path, "config.json")):  # a run directory: its newest weights
+    # a run directory: its newest weights
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
         model_path = latest_checkpoint(model_path, weights=True) or model_path
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise SystemExit(f"eval error: {model_path} is no model directory (config.json) and no run directory (step_*/)")
@@ -261,56 +308,71 @@ if __name__ == "__main__":
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"config error: {e}")
     try:
-        problems = read_jsonl(data_path, required=lambda row: grading.row_task(row, task_module).COLUMNS)
-    except (ValueError, FileNotFoundError) as e:  # a bad line, or a task file a row names that is not there
+        problems = read_jsonl(data_path,
+                              required=lambda row: grading.row_task(row, task_module).COLUMNS)
+    except (ValueError, FileNotFoundError) as e:
+        # a bad line, or a task file a row names that is not there
         raise SystemExit(f"data error: {e}")
+
     if limit < 0 or samples < 1:
-        raise SystemExit(f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
+        raise SystemExit(
+            f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
     if keep_solved and not 0 <= keep_min_correct <= samples:
-        raise SystemExit(f"eval error: need 0 <= keep_min_correct <= samples, got {keep_min_correct} and {samples}")
-    problems = problems[:limit] if limit else problems
+        raise SystemExit(f"eval error: need 0 <= keep_min_correct <= samples, "
+                         f"got {keep_min_correct} and {samples}")
+    # the first limit problems; limit 0: all of them
+    problems = problems[:limit or None]
     if not problems:
         raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
-    prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False),
-                             np.int32)
-                  for p in problems]
+    prompt_ids = [
+        np.asarray(tokenizer.encode(grading.row_task(problem, task_module).prompt(problem),
+                                    add_special_tokens=False),
+                   np.int32)
+        for problem in problems]
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
-        raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
-                         f"(first: problem {too_long[0]} of {data_path}); raise --max_prompt_tokens")
-    if too_long:  # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
-        problems = [p for p, ids in zip(problems, prompt_ids) if len(ids) <= max_prompt_tokens]
-        prompt_ids = [p for p in prompt_ids if len(p) <= max_prompt_tokens]
-        print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} skipped, as train_rl.py "
-               "skips them")
+        raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than "
+                         f"max_prompt_tokens={max_prompt_tokens} (first: problem {too_long[0]} "
+                         f"of {data_path}); raise --max_prompt_tokens")
+    # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
+    if too_long:
+        problems = [problem for problem, ids in zip(problems, prompt_ids)
+                    if len(ids) <= max_prompt_tokens]
+        prompt_ids = [ids for ids in prompt_ids if len(ids) <= max_prompt_tokens]
+        print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
+               "skipped, as train_rl.py skips them")
     policy = load_model(model_path, device=device, dtype=getattr(torch, dtype)).eval()
     max_len = max_prompt_tokens + max_response_tokens
     rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
-    print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} | model {model_path} | T {temperature} "
-           f"top-p {top_p} | budget {max_response_tokens} | turns {max_turns} | {world} rank(s) × {rows} rows")
+    print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} "
+           f"| model {model_path} | T {temperature} top-p {top_p} | budget {max_response_tokens} "
+           f"| turns {max_turns} | {world} rank(s) × {rows} rows")
     os.makedirs(out_dir, exist_ok=True)
     dump = open(os.path.join(out_dir, f"trajectories.jsonl.{rank}"), "w") if save_trajectories else None
 
-    def write(traj, summary):  # train_rl.py's dump record, written by the rank that made the trajectory
+    # train_rl.py's dump record, written by the rank that made the trajectory
+    def write(traj, summary):
         dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
                              tokenizer.decode(traj.prompt_ids)))
 
     # the peak reported below is the evaluation's own: the load's (torch, the weights) is forgotten here
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     t0 = time.time()
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
                      isolation=tool_isolation) as tools:
-        engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len, temperature=temperature,
-                        top_p=top_p, seed=seed, tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                        tool_max_chars=tool_max_chars, deterministic=deterministic, tool_table=task_module.TOOLS,
-                        call_timeout=tool_call_timeout or None)
-        summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens, rollout_split,
-                                        score_truncated=score_truncated, prompt_ids=prompt_ids,
-                                        on_graded=write if save_trajectories else None, task=task_module)
+        engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len,
+                        temperature=temperature, top_p=top_p, seed=seed,
+                        tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                        tool_max_chars=tool_max_chars, deterministic=deterministic,
+                        tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+        summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens,
+                                        rollout_split, score_truncated=score_truncated,
+                                        prompt_ids=prompt_ids,
+                                        on_graded=write if save_trajectories else None,
+                                        task=task_module)
     # rank 0's peak RSS since the load: VmHWM is this process's own (ru_maxrss also counts the memory its parent
     # had when it forked this process, e.g. a test runner's)
     with open("/proc/self/status") as f:
@@ -323,8 +385,8 @@ if __name__ == "__main__":
     if rank == 0:
         k = samples
         table = [f"# eval of {model_path} on {data_path}", "",
-                 f"{len(problems)} problems × {k} samples, temperature {temperature}, top-p {top_p}, "
-                 f"{max_response_tokens} tokens, {max_turns} turns, seed {seed}", "",
+                 f"{len(problems)} problems × {k} samples, temperature {temperature}, "
+                 f"top-p {top_p}, {max_response_tokens} tokens, {max_turns} turns, seed {seed}", "",
                  "| metric | value |", "|---|---|",
                  f"| avg@{k} | {100 * summary['avg@k']:.2f}% ± {100 * summary['avg@k_se']:.2f} |",
                  f"| mean reward | {summary['reward']:.3f} |"]
@@ -341,27 +403,36 @@ if __name__ == "__main__":
                   f"| no-answer ratio | {summary['rollout/no_answer_frac']:.3f} |",
                   f"| wall time | {summary['wall_s']:.1f} s |"]
         # a mixed set: each task's own avg@k, mean reward and tool error ratio
-        table += [f"| {name}: avg@{k} / mean reward / tool errors | {100 * s['avg@k']:.2f}% / {s['reward']:.3f} / "
-                  f"{s['tool/err']:.3f} |" for name, s in summary.get("tasks", {}).items()]
-        per = ["", "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
+        table += [f"| {name}: avg@{k} / mean reward / tool errors | "
+                  f"{100 * task_summary['avg@k']:.2f}% / {task_summary['reward']:.3f} / {task_summary['tool/err']:.3f} |"
+
+                  for name, task_summary in summary.get("tasks", {}).items()]
+        per = ["",
+               "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
-        cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")[:40]
-        per += [f"| {p['index']} | {cell(p.get('id', ''))} | {cell(p['gold'])} | {p['correct']}/{k} | "
-                f"{cell(p['maj_answer'])} | {p['response_len']:.0f} | {p['tool_calls']} ({p['tool_errors']}) | "
-                f"{p['truncated']} |" for p in per_problem]
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")[:40]
+        per += [f"| {row['index']} | {cell(row.get('id', ''))} | {cell(row['gold'])} | "
+                f"{row['correct']}/{k} | {cell(row['maj_answer'])} | {row['response_len']:.0f} | "
+                f"{row['tool_calls']} ({row['tool_errors']}) | {row['truncated']} |"
+                for row in per_problem]
         print("\n".join(table[4:]))
         with open(os.path.join(out_dir, "summary.md"), "w") as f:
             f.write("\n".join(table + per) + "\n")
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         write_jsonl(os.path.join(out_dir, "per_problem.jsonl"), per_problem)
-        if save_trajectories:  # the ranks' parts, one after the other: sort by (group, sample) to read in order
+        # the ranks' parts, one after the other: sort by (group, sample) to read in order
+        if save_trajectories:
             join_parts(os.path.join(out_dir, "trajectories.jsonl"), world)
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
+        # the two keep rules: which rows, from how many right samples to how many, the rule in words
         for path, fewest, most, rule in [(keep_unsolved, 0, k - 1, "pass rate < 1"),
-                                         (keep_solved, keep_min_correct, k, f">= {keep_min_correct} of {k} right")]:
+                                         (keep_solved, keep_min_correct, k,
+                                          f">= {keep_min_correct} of {k} right")]:
+            # a rule whose file is not asked for writes nothing
             if path:
+
                 kept = keep_by_correct(problems, per_problem, fewest, most)
                 write_jsonl(path, kept)
                 print(f"kept {len(kept)} of {len(problems)} problems ({rule}) in {path}")

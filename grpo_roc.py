@@ -102,16 +102,21 @@ def penalty(num_calls, num_errors, num_answers, num_turns, num_overloaded=0):
     """
     counted = num_calls - num_overloaded  # the calls whose outcome is the policy's
     if not 0 <= num_errors <= counted <= num_calls or num_answers < 0 or num_turns < 0:
-        raise ValueError(f"need 0 <= num_errors <= num_calls - num_overloaded <= num_calls and num_answers, num_turns "
-                         f">= 0, got {num_calls=} {num_errors=} {num_answers=} {num_turns=} {num_overloaded=}")
+        raise ValueError(f"need 0 <= num_errors <= num_calls - num_overloaded <= num_calls and "
+                         f"num_answers, num_turns >= 0, got {num_calls=} {num_errors=} "
+                         f"{num_answers=} {num_turns=} {num_overloaded=}")
     p_err = num_errors / counted if counted else 0.5
-    p_format = 1.0 if num_answers == 0 or num_turns == 0 else min(1.0, (num_answers - 1) / num_turns)
+    # no <answer>, or no assistant turn that ended: the most there is
+    p_format = 1.0
+    if num_answers and num_turns:
+        p_format = min(1.0, (num_answers - 1) / num_turns)
     return p_err + p_format
 
 
 def _check_rewards(rewards, name):
     if not bool(((rewards >= 0) & (rewards <= 1)).all()):
-        raise ValueError(f"{name} must be rewards in [0, 1], got values {rewards.unique().tolist()}")
+        raise ValueError(
+            f"{name} must be rewards in [0, 1], got values {rewards.unique().tolist()}")
 
 
 def filter_groups(rewards):
@@ -123,7 +128,8 @@ def filter_groups(rewards):
     the groups with mixed rewards, the two ints count the dropped all-1 and all-0 groups.
     """
     if rewards.dim() != 2 or rewards.size(1) < 2:
-        raise ValueError(f"rewards must be (num_groups, 2G) with 2G >= 2, got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be (num_groups, 2G) with 2G >= 2, got shape {tuple(rewards.shape)}")
     _check_rewards(rewards, "rewards")
     uniform = (rewards == rewards[:, :1]).all(dim=1)  # (num_groups,)
     num_all_correct = int((uniform & (rewards[:, 0] == 1)).sum())
@@ -132,7 +138,8 @@ def filter_groups(rewards):
     return keep, num_all_correct, num_all_wrong
 
 
-def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_pos=2, min_neg=2, eps=1e-3):
+def resample_on_correct(rewards, penalties, G, generator, *,
+                        mode="sample", min_pos=2, min_neg=2, eps=1e-3):
     """
     Resample-on-Correct (paper §2.2.3): keep G of the 2G rollouts of one group. mode="sample" is the
     paper's rule (roc_sample), mode="deterministic" the released code's (roc_released).
@@ -141,14 +148,16 @@ def resample_on_correct(rewards, penalties, G, generator, *, mode="sample", min_
     (mode="sample"). Returns the kept indices, (G,) ascending.
     """
     if mode not in ("sample", "deterministic") or not isinstance(G, int) or G < 1:
-        raise ValueError(f"need mode 'sample' or 'deterministic' and G a positive int, got {mode!r}, {G!r}")
+        raise ValueError(
+            f"need mode 'sample' or 'deterministic' and G a positive int, got {mode!r}, {G!r}")
     if rewards.shape != (2 * G,) or penalties.shape != (2 * G,):
         raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
                          f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
     _check_rewards(rewards, "rewards")
     if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
-    above = positives(rewards)  # the ones the update reinforces (A >= 0: the module docstring's rule)
+    # the ones the update reinforces (A >= 0: the module docstring's rule)
+    above = positives(rewards)
     pos = above.nonzero().flatten()  # (n_pos,) rollout order
     neg = (~above).nonzero().flatten()  # (n_neg,)
     if mode == "sample":
@@ -173,7 +182,8 @@ def roc_sample(pos, neg, pos_penalties, G, generator, eps):
     neg_keep = neg[torch.randperm(len(neg), generator=generator)[:k_neg]]
     if k_pos == 0:
         return pos[:0], neg_keep
-    weights = 1.0 / (pos_penalties.double() + eps)  # (n_pos,) float64: 1/eps must not swamp the rest
+    # (n_pos,) float64: 1/eps must not swamp the rest
+    weights = 1.0 / (pos_penalties.double() + eps)
     return pos[torch.multinomial(weights, k_pos, replacement=False, generator=generator)], neg_keep
 
 
@@ -189,9 +199,12 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
     both sides are under their minimum" branch cannot happen once min_pos + min_neg <= G (required).
     """
     if min_pos < 0 or min_neg < 0 or min_pos + min_neg > G:
-        raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, got {min_pos=} {min_neg=} {G=}")
-    n_pos, n_neg = len(pos), len(neg)
-    k_neg, k_pos = round(n_neg * G / (2 * G)), round(n_pos * G / (2 * G))
+        raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, "
+                         f"got {min_pos=} {min_neg=} {G=}")
+    n_pos = len(pos)
+    n_neg = len(neg)
+    k_neg = round(n_neg * G / (2 * G))
+    k_pos = round(n_pos * G / (2 * G))
     if k_neg <= min(min_neg, n_neg):
         k_neg = min(min_neg, n_neg)
         k_pos = G - k_neg
@@ -199,8 +212,10 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
         k_pos = min(min_pos, n_pos)
         k_neg = G - k_pos
     if k_pos + k_neg != G or k_pos > n_pos or k_neg > n_neg:
-        raise ValueError(f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
-                         f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
+        raise ValueError(
+            f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
+            f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
+
     return pos[torch.sort(pos_penalties, stable=True).indices[:k_pos]], neg[:k_neg]
 
 
@@ -236,7 +251,8 @@ def adv_batch_std(rewards, eps=1e-6):
     return centred / (centred.std() + eps) if centred.numel() > 1 else centred
 
 
-ADVANTAGES = {"std": adv_group_std, "none": adv_group_mean, "batch": adv_batch_std}  # the adv_scale key's values
+# the adv_scale key's values
+ADVANTAGES = {"std": adv_group_std, "none": adv_group_mean, "batch": adv_batch_std}
 LOSS_NORMS = ("token", "group", "sequence", "constant")  # the loss_norm key's values (loss_weights)
 RATIO_LEVELS = ("token", "sequence")  # the ratio_level key's values (policy_loss's seq_ids)
 KL_ESTIMATORS = ("k1", "k2", "k3")  # the kl_estimator key's values (kl_penalty)
@@ -245,7 +261,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # the kl_estimator key's values (kl_penalty)
 def check_loss_config(adv_scale, loss_norm, ratio_level, kl_estimator="k3"):
     """The loss's keys, checked in one place; raises ValueError naming the key. adv_scale may also
     name a user's estimator, "file.py:function" (train_rl.py loads it)."""
-    for key, value, allowed in (("adv_scale", adv_scale, tuple(ADVANTAGES)), ("loss_norm", loss_norm, LOSS_NORMS),
+    for key, value, allowed in (("adv_scale", adv_scale, tuple(ADVANTAGES)),
+                                ("loss_norm", loss_norm, LOSS_NORMS),
                                 ("ratio_level", ratio_level, RATIO_LEVELS),
                                 ("kl_estimator", kl_estimator, KL_ESTIMATORS)):
         if value not in allowed and not (key == "adv_scale" and ".py:" in value):
@@ -263,8 +280,8 @@ def advantages(rewards, scale="std", positive=None):
     rewards: (num_groups, G) float tensor. Returns the same shape.
     """
     if rewards.dim() != 2 or rewards.size(1) < 2 or not callable(ADVANTAGES.get(scale, scale)):
-        raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale one of {tuple(ADVANTAGES)}, got "
-                         f"shape {tuple(rewards.shape)} and {scale!r}")
+        raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale one of "
+                         f"{tuple(ADVANTAGES)}, got shape {tuple(rewards.shape)} and {scale!r}")
     adv = ADVANTAGES.get(scale, scale)(rewards.float())  # (num_groups, G)
     if positive is None:
         return adv
@@ -282,7 +299,8 @@ def loss_weights(sampled, questions, norm, max_tokens=None):
     "constant" (Dr. GRPO): N / (S max_tokens), a fixed divisor whatever the lengths.
     A positive weight per trajectory commutes with the clip, so it rides on the advantage.
     """
-    n, s = sum(sampled), len(sampled)
+    n = sum(sampled)
+    s = len(sampled)
     if norm == "token":
         return [1.0] * s
     if norm == "group":
@@ -294,7 +312,8 @@ def loss_weights(sampled, questions, norm, max_tokens=None):
         return [n / (s * max(k, 1)) for k in sampled]
     if norm == "constant" and max_tokens:
         return [n / (s * max_tokens)] * s
-    raise ValueError(f"loss_norm must be 'token', 'group', 'sequence' or 'constant' (with max_tokens), got {norm!r}")
+    raise ValueError(f"loss_norm must be 'token', 'group', 'sequence' or 'constant' "
+                     f"(with max_tokens), got {norm!r}")
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.28, *,
@@ -333,27 +352,32 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     kl_penalty.
     """
     if logprobs.dim() != 2 or old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
-        raise ValueError(f"logprobs, old_logprobs and mask must all be (B, T), got {tuple(logprobs.shape)}, "
-                         f"{tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"logprobs, old_logprobs and mask must all be (B, T), got {tuple(logprobs.shape)}, "
+            f"{tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
     if advantages.shape not in ((logprobs.size(0),), logprobs.shape):
-        raise ValueError(f"advantages must be (B,) = ({logprobs.size(0)},) or (B, T), got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages must be (B,) = ({logprobs.size(0)},) or (B, T), "
+                         f"got {tuple(advantages.shape)}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     mask = mask.bool()
     n_local = mask.sum()
     if num_tokens is None:
         if n_local == 0:
-            raise ValueError("mask has no 1s: no token to train on (pass num_tokens for an empty micro-batch)")
+            raise ValueError(
+                "mask has no 1s: no token to train on (pass num_tokens for an empty micro-batch)")
         num_tokens = n_local
     elif num_tokens <= 0:
         raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
 
     # zero the log-ratio off the mask first, so garbage there cannot turn into nan gradients
     log_ratio = torch.where(mask, logprobs - old_logprobs.detach(), 0.0)  # (B, T)
-    if seq_ids is not None:  # GSPO: each token gets its sequence's mean log-ratio (gradient to all its tokens)
+    # GSPO: each token gets its sequence's mean log-ratio (gradient to all its tokens)
+    if seq_ids is not None:
         log_ratio = torch.where(mask, seq_mean(log_ratio, mask, seq_ids), 0.0)
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.detach().reshape(logprobs.size(0), -1)  # (B, 1): one per trajectory, or (B, T): per token
+    # (B, 1): one per trajectory, or (B, T): per token
+    adv = advantages.detach().reshape(logprobs.size(0), -1)
     surr = ratio * adv  # (B, T)
     surr_clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv  # (B, T)
     token_loss = -torch.minimum(surr, surr_clipped)  # (B, T)
@@ -428,7 +452,9 @@ def tis_weights(trainer_logprobs, engine_logprobs, cap):
 def seq_mean(values, mask, seq_ids):
     """(B, T): at each token, the mean of `values` over the mask-1 tokens of its sequence (differentiable).
     seq_ids (B, T): which trajectory each token belongs to (ints >= 0)."""
-    ids, m = seq_ids.flatten().long(), mask.flatten().bool()
+    ids = seq_ids.flatten().long()
+    m = mask.flatten().bool()
+
     n = int(ids.max()) + 1
     total = values.new_zeros(n).scatter_add(0, ids, torch.where(m, values.flatten(), 0.0))
     count = values.new_zeros(n).scatter_add(0, ids, m.to(values.dtype))

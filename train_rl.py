@@ -43,51 +43,68 @@ from transformers import AutoTokenizer
 import agent
 import grading
 import grpo_roc
-from checkpoint import checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
-from common import (Logger, barrier, compute_cleanup, compute_init, full_value, pack, pack_sorted, print0,
-                    read_jsonl, resolve_model)
+from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
+                        save_checkpoint)
+from common import (Logger, barrier, compute_cleanup, compute_init, full_value, pack, pack_sorted,
+                    print0, read_jsonl, resolve_model)
 from configurator import configure
 from model import collate, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
-from scheduler import dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics, task_metrics
+from scheduler import (dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics,
+                       task_metrics)
+
 
 # -----------------------------------------------------------------------------
 # defaults: the tiny CPU run; configs/stage*.py carry the paper's 14B values
 model_path = "out/tiny-sft"  # HF directory to start from (weights + tokenizer)
-data_path = "out/data/train.jsonl"  # JSONL with the task's columns (the math task: "question" and "answer")
-task = "tasks/math.py"  # the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
+# JSONL with the task's columns (the math task: "question" and "answer")
+data_path = "out/data/train.jsonl"
+# the task file: prompt, tools, reward (README "Fork it"); tasks/math_no_tool.py: no tool
+task = "tasks/math.py"
 #                         (a data row with a "task" column is that task's: one run mixes tasks, metrics per task)
 run_dir = "out/tiny-rl"  # checkpoints (step_*/), metrics.jsonl and rollouts/ go here
 resume = False  # continue from the latest checkpoint in run_dir
-data_restart = False  # False: continue the data stream of the checkpoint model_path is (stage 2), same data only
-optimizer_from = ""  # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
+# False: continue the data stream of the checkpoint model_path is (stage 2), same data only
+data_restart = False
+# checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
+optimizer_from = ""
 steps = 60  # RL steps (paper: 300 in stage 1)
 prompts_per_step = 8  # B (paper: 512)
 samples_per_prompt = 16  # 2G rollouts per prompt (paper: 32)
 keep_per_prompt = 8  # G kept by Resample-on-Correct (paper: 16)
 roc = True  # False: plain GRPO, sample keep_per_prompt and use them all
 roc_mode = "sample"  # "sample" (paper: p ∝ 1/penalty) or "deterministic" (released code)
-score_truncated = False  # True: grade rollouts cut by the budget like finished ones (released code); paper: 0
+# True: grade rollouts cut by the budget like finished ones (released code); paper: 0
+score_truncated = False
 # rollout
 max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
 max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
 temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
 top_p = 1.0  # nucleus sampling; 1.0 = off
-kv_capacity = 0  # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
+# tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
+kv_capacity = 0
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
-kv_reserve = None  # KV promised to a rollout at admission: None follows what the step's rollouts used (the engine's
-#                    reserve="auto"); a number is that share of the budget, fixed (1: all of it, never preempts)
-deterministic = False  # True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
-rollout_split = "dynamic"  # how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
-tool_workers = 0  # sandbox workers per rank; 0 = the node's cores shared by its ranks (LOCAL_WORLD_SIZE)
-tool_timeout = 4.0  # seconds per call (rStar's README runs code-judge with MAX_EXECUTION_TIME=4; the paper gives none)
+# KV promised to a rollout at admission: None follows what the step's rollouts used (the engine's
+# reserve="auto"); a number is that share of the budget, fixed (1: all of it, never preempts)
+kv_reserve = None
+# True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
+deterministic = False
+# how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
+rollout_split = "dynamic"
+# sandbox workers per rank; 0 = the node's cores shared by its ranks (LOCAL_WORLD_SIZE)
+tool_workers = 0
+# seconds per call (rStar's README runs code-judge with MAX_EXECUTION_TIME=4; the paper gives none)
+tool_timeout = 4.0
 tool_memory = 256 << 20  # bytes of address space per call (code-judge's MAX_MEMORY default)
 tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for trusted code only
-tool_max_chars = 256  # chars per tool response, middle cut (the release: verl's max_tool_response_length)
-max_calls_per_turn = 1  # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
-tool_call_timeout = 0.0  # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
+# chars per tool response, middle cut (the release: verl's max_tool_response_length)
+tool_max_chars = 256
+# tool calls run per assistant turn; surplus ones are dropped (the release runs one)
+max_calls_per_turn = 1
+# seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
+tool_call_timeout = 0.0
 # optimisation
 lr = 1e-6  # AdamW learning rate (paper: 1e-6)
 warmup_steps = 20  # linear warm-up, then constant
@@ -96,30 +113,40 @@ grad_clip = 1.0  # the gradients' global norm is clipped to this
 eps_low = 0.2  # the ratio's lower clip: 1 - eps_low
 eps_high = 0.28  # the ratio's upper clip: 1 + eps_high (clip-higher)
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
-mini_batches = 1  # optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
+# optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
+mini_batches = 1
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
 adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr.
 #                   GRPO), "batch", or the user's own "file.py:function" (examples/rloo.py)
-loss_norm = "token"  # every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
+# every sampled token of the mini-batch weighs the same; "group" (Eq. 6), "sequence", "constant"
+loss_norm = "token"
 ratio_level = "token"  # the importance ratio per token (PPO), or "sequence" (GSPO)
 # extra loss terms, none in the paper (grpo_roc.py's docstring): + coefficient x a token-mean
 loss_terms = []  # [("file.py:function", coefficient), ...]: the user's, logged as loss/<function>
 kl_coef = 0.0  # > 0: + kl_coef x KL(policy || frozen reference), logged as loss/kl; 0: no reference
 kl_estimator = "k3"  # grpo_roc.kl_penalty: "k3" (verl's low_var_kl), "k1" or "k2"
 kl_ref = ""  # the frozen reference: "" = model_path, the run's start (with kl_coef 0: loss/kl only)
-max_tokens_per_micro = 4096  # tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
-activation_checkpointing = False  # recompute each layer's activations in the backward: less memory, more compute
+# tokens per micro-batch and rank, padding included (verl: ppo_max_token_len_per_gpu)
+max_tokens_per_micro = 4096
+# recompute each layer's activations in the backward: less memory, more compute
+activation_checkpointing = False
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
 rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
-tis_cap = 0.0  # > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
-mismatch_band = 0.0  # > 0 (e.g. 0.5): drop a trajectory whose mean trainer - engine log-ratio leaves ±band
+# > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
+tis_cap = 0.0
+# > 0 (e.g. 0.5): drop a trajectory whose mean trainer - engine log-ratio leaves ±band
+mismatch_band = 0.0
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
 save_every = 20  # a checkpoint every N steps, and at the last
-save_hf_every = 0  # HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
-keep_checkpoints = 3  # the newest N checkpoints stay (0: all); those with HF weights are never deleted
-dump_every = 10  # every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
-dist_timeout_s = 1800  # a collective waiting longer raises (a rank died or hangs); see common.compute_init
+# HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
+save_hf_every = 0
+# the newest N checkpoints stay (0: all); those with HF weights are never deleted
+keep_checkpoints = 3
+# every N steps all trajectories of the step go to run_dir/rollouts/ (view.py); 0 = never
+dump_every = 10
+# a collective waiting longer raises (a rank died or hangs); see common.compute_init
+dist_timeout_s = 1800
 seed = 0  # data order, RoC's sampling and every rollout's generator derive from it
 wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
@@ -137,30 +164,41 @@ except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
     raise SystemExit(f"config error: {e}")
 max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
 if max_len > max_tokens_per_micro:  # a whole trajectory in one micro-batch
-    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_len} > max_tokens_per_micro = "
-                     f"{max_tokens_per_micro}: raise max_tokens_per_micro or lower the other two")
+    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_len} > "
+                     f"max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro "
+                     f"or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
 model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
-packed = use_flash(device, ptdtype)  # packed rows for flash-attn's varlen kernel, padded batches for SDPA
+# packed rows for flash-attn's varlen kernel, padded batches for SDPA
+packed = use_flash(device, ptdtype)
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 try:
-    problems = read_jsonl(data_path, required=lambda row: grading.row_task(row, task_module).COLUMNS)
-except (ValueError, FileNotFoundError) as e:  # names the file and line (or the task file a row names)
+    problems = read_jsonl(data_path,
+                          required=lambda row: grading.row_task(row, task_module).COLUMNS)
+except (ValueError, FileNotFoundError) as e:
+    # names the file and line (or the task file a row names)
     raise SystemExit(f"data error: {e}")
+
 # each prompt rendered by the task and tokenized once, kept as int32 (a Python list of ints takes ~9x the
 # memory: 42K prompts, every rank)
-prompt_ids = [np.asarray(tokenizer.encode(grading.row_task(p, task_module).prompt(p), add_special_tokens=False),
-                         np.int32) for p in problems]
+prompt_ids = [
+    np.asarray(tokenizer.encode(grading.row_task(problem, task_module).prompt(problem),
+                                add_special_tokens=False),
+               np.int32)
+    for problem in problems]
 # the run's tasks by name (tasks/math.py: "math"), and every tool they offer (the metrics count calls per tool)
 task_names = sorted({grading.row_task(p, task_module).__name__ for p in problems})
-tool_names = list(dict.fromkeys(name for p in problems for name in grading.row_task(p, task_module).TOOLS))
+tool_names = list(dict.fromkeys(name for problem in problems
+                                for name in grading.row_task(problem, task_module).TOOLS))
 too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
-print0(f"{len(problems)} problems from {data_path}; {too_long} longer than {max_prompt_tokens} tokens are skipped")
+print0(f"{len(problems)} problems from {data_path}; "
+       f"{too_long} longer than {max_prompt_tokens} tokens are skipped")
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
 if not data:
-    raise SystemExit(f"config error: every prompt of {data_path} is longer than max_prompt_tokens = {max_prompt_tokens} "
-                     f"(the shortest has {min(map(len, prompt_ids), default=0)} tokens): raise max_prompt_tokens")
+    raise SystemExit(f"config error: every prompt of {data_path} is longer than "
+                     f"max_prompt_tokens = {max_prompt_tokens} (the shortest has "
+                     f"{min(map(len, prompt_ids), default=0)} tokens): raise max_prompt_tokens")
 
 
 @functools.lru_cache(maxsize=2)
@@ -177,8 +215,9 @@ def prompt_at(c):
 # comes before anything in run_dir changes: a refused resume leaves metrics.jsonl and rollouts/ as they were
 start = latest_checkpoint(run_dir) if resume else None
 if resume and not start:
-    raise SystemExit(f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
-                     "nothing to resume; drop --resume to start this run from step 0")
+    raise SystemExit(
+        f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
+        "nothing to resume; drop --resume to start this run from step 0")
 # the tool's sandbox pool, started (or refused) before the model loads, and asked one call to see it answers
 try:
     tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
@@ -188,13 +227,16 @@ except (ValueError, RuntimeError) as e:
 probe = tools.map(["print(6 * 7)"])[0]
 if probe.stdout.strip() != "42":
     tools.close()
-    raise SystemExit(f"sandbox error: a probe call printed {probe.stdout!r} ({probe.status}: {probe.stderr[-300:]})")
+    raise SystemExit(f"sandbox error: a probe call printed {probe.stdout!r} "
+                     f"({probe.status}: {probe.stderr[-300:]})")
 # the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank, built
 # empty: sync_policy fills it before the first rollout (reading the checkpoint once, not twice)
 init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
-policy = load_model(init_path, device="meta", dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=weight_decay)
+policy = load_model(init_path, device="meta",
+                    dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999),
+                              weight_decay=weight_decay)
 # the frozen reference of the KL term: the run's starting model (never a resumed checkpoint, never
 # saved), sharded like the policy, in dtype, without gradients or optimizer state; its log-probs
 # reach every loss term
@@ -243,10 +285,14 @@ def micro_batch(kept, indices, advantages, tokens):
     seqs = []
     for index in indices:
         traj = tokens[kept[index].key]
-        seq, pad = np.concatenate([traj.prompt_ids, traj.response_ids]), np.zeros(len(traj.prompt_ids) - 1)
-        seqs.append({"ids": seq[:-1], "tgt": seq[1:], "adv": np.full(len(seq) - 1, advantages[index]),
+        seq = np.concatenate([traj.prompt_ids, traj.response_ids])
+        pad = np.zeros(len(traj.prompt_ids) - 1)
+        seqs.append({"ids": seq[:-1],
+                     "tgt": seq[1:],
+                     "adv": np.full(len(seq) - 1, advantages[index]),
                      # the loss reads the sampled tokens only (mask 1), and the engine's log-prob of each
-                     "mask": np.concatenate([pad, traj.mask]), "engine_logprobs": np.concatenate([pad, traj.logprobs]),
+                     "mask": np.concatenate([pad, traj.mask]),
+                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
@@ -258,7 +304,8 @@ def dump_step(step, mine, summaries):
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     by_key, prompts = {summary.key: summary for summary in summaries}, {}
-    with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:  # level 9, the default, is 12x slower for 10% less
+    # level 9, the default, is 12x slower for 10% less
+    with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:
         for traj in mine:
             summary, group = by_key[traj.key], traj.key[1]
             kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
@@ -277,10 +324,12 @@ rollouts_per_rank = -(-prompts_per_step * samples_per_prompt // world)
 n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=rollouts_per_rank)
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
-engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len, max_rows=rollouts_per_rank,
-                reserve="auto" if kv_reserve is None else kv_reserve, temperature=temperature, top_p=top_p, seed=seed,
-                tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn, tool_max_chars=tool_max_chars,
-                deterministic=deterministic, tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
+                max_rows=rollouts_per_rank, reserve="auto" if kv_reserve is None else kv_reserve,
+                temperature=temperature, top_p=top_p, seed=seed,
+                tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                tool_max_chars=tool_max_chars, deterministic=deterministic,
+                tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 # every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
 # made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
@@ -290,7 +339,8 @@ if start and rank == 0:
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
 n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
-       f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), engine rows {engine.num_rows}")
+       f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), "
+       f"engine rows {engine.num_rows}")
 
 while step < steps:
     step_start = time.perf_counter()
@@ -302,8 +352,10 @@ while step < steps:
     requests = [Request(prompt.tolist(), key=(step, group_index, sample_index),
                         meta={"answer": problems[problem].get("answer"), "problem": problem},
                         **grading.rollout_seam(problems[problem], task_module))
-                for group_index, (problem, prompt) in enumerate(batch) for sample_index in range(n_sample)]
-    mine = generate(engine, requests, max_response_tokens, rollout_split, grader, counter=f"rl/{step}")
+                for group_index, (problem, prompt) in enumerate(batch)
+                for sample_index in range(n_sample)]
+    mine = generate(engine, requests, max_response_tokens, rollout_split, grader,
+                    counter=f"rl/{step}")
     t_rollout = time.perf_counter() - step_start
     # the grades of this rank's trajectories, made while the engine went on decoding; then what every rank
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
@@ -319,34 +371,41 @@ while step < steps:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     # the kept samples (keep_per_prompt of each kept group, group after group), and per kept group on which
     # side of RoC each was kept
-    kept, kept_positive = [], []
+    kept = []
+    kept_positive = []
     for group in keep_groups.tolist():
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
             for traj in groups[group]:
                 # an "overloaded" call (our sandbox's queue, not the policy) counts in neither side of p_err
-                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls), traj.n_answers,
-                                                traj.turns, num_overloaded=traj.calls.count("overloaded"))
+                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls),
+                                                traj.n_answers, traj.turns,
+                                                num_overloaded=traj.calls.count("overloaded"))
             penalties = torch.tensor([traj.penalty for traj in groups[group]])
-            chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt, generator,
-                                                  mode=roc_mode).tolist()
+            chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt,
+                                                  generator, mode=roc_mode).tolist()
         kept += [groups[group][index] for index in chosen]
         kept_positive.append(grpo_roc.positives(rewards[group])[chosen])
     # the update's clock (the tokens' exchange is its first part) and its statistics
-    t_train, t_exchange, t_reference, grad_norm = time.perf_counter(), 0.0, 0.0, 0.0
+    t_train = time.perf_counter()
+    t_exchange = 0.0
+    t_reference = 0.0
+    grad_norm = 0.0
     # every summed statistic of the update, per rank: token-weighted clip fraction and entropy, and the
     # engine-vs-trainer gap's sums (grpo_roc.mismatch); all are summed over ranks once, in step 4
     sums = {key: torch.zeros((), device=device) for key in
             ("clip_frac", "entropy", "abs", "k3", "out", "n", *(name for name, *_ in terms))}
     mismatch_max = torch.zeros((), device=device)  # the one statistic reduced by max, not by sum
     if kept:
-        # one number per kept trajectory; with RoC its sign follows the side RoC kept it on (grpo_roc's docstring)
-        kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)  # (kept groups, G)
-        advantages = grpo_roc.advantages(kept_rewards, estimator,
-                                         torch.stack(kept_positive) if roc else None).flatten().tolist()
+        # advantages: one number per kept trajectory; with RoC its sign follows the side RoC kept it on
+        # (grpo_roc's docstring). The kept rewards first, one row per kept group: (kept groups, G)
+        kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)
+        advantages = grpo_roc.advantages(
+            kept_rewards, estimator, torch.stack(kept_positive) if roc else None).flatten().tolist()
         for traj, advantage in zip(kept, advantages):
-            traj.advantage, traj.kept = advantage, True
+            traj.advantage = advantage
+            traj.kept = True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         for param_group in optimizer.param_groups:  # linear warm-up, then constant
@@ -355,7 +414,8 @@ while step < steps:
         # from the lengths alone, so all ranks agree on who trains what
         per_mini = -(-len(kept) // mini_batches)  # len(kept) / mini_batches, rounded up
         # mini-batches as ranges of kept indices, none empty
-        parts = [range(start, min(len(kept), start + per_mini)) for start in range(0, len(kept), per_mini)]
+        parts = [range(start, min(len(kept), start + per_mini))
+                 for start in range(0, len(kept), per_mini)]
         plans = [plan(kept, part) for part in parts]
         # exchange: each trajectory's tokens travel to the one rank that trains it
         owners = {key: owner for _bins, dest in plans for key, owner in dest.items()}
@@ -368,10 +428,12 @@ while step < steps:
         for part, (bins, _dest) in zip(parts, plans):
             # the loss divisor as one weight per trajectory (token-mean: 1), riding on its advantage
             weights = grpo_roc.loss_weights([kept[index].n_sampled for index in part],
-                                            [kept[index].key[1] for index in part], loss_norm, max_response_tokens)
+                                            [kept[index].key[1] for index in part],
+                                            loss_norm, max_response_tokens)
             scaled = {index: advantages[index] * weight for index, weight in zip(part, weights)}
             micros = [micro_batch(kept, indices, scaled, tokens) for indices in bins]
-            n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)), device=device)
+            n_tokens = torch.tensor(float(sum(kept[index].n_sampled for index in part)),
+                                    device=device)
             if reference is not None:
                 # the reference's log-probs of the sampled tokens, a no_grad forward a micro-batch;
                 # then its root's gathered weights are freed (FSDP2 keeps a root's for a backward)
@@ -397,23 +459,28 @@ while step < steps:
         for micros, old_logprobs, n_tokens in minis:
             for micro_index, micro in enumerate(micros):
                 # the output layer only where the loss reads: the sampled tokens (log-probs 0 elsewhere)
-                logprobs, entropy = token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"], with_entropy=True,
-                                                   where=micro["mask"].bool())
+                logprobs, entropy = token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"],
+                                                   with_entropy=True, where=micro["mask"].bool())
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_index]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
-                mask, engine_logprobs = micro["mask"].bool(), micro["engine_logprobs"].float()
+                mask = micro["mask"].bool()
+                engine_logprobs = micro["engine_logprobs"].float()
                 gap = grpo_roc.mismatch(old, engine_logprobs, mask)
                 mismatch_max = torch.maximum(mismatch_max, gap.pop("max"))
                 for key, value in gap.items():
                     sums[key] = sums[key] + value
                 # corrections for that gap, off by default: truncated importance weights, sequence masking
-                token_weights = grpo_roc.tis_weights(old, engine_logprobs, tis_cap) if tis_cap else None
+                token_weights = None
+                if tis_cap:
+                    token_weights = grpo_roc.tis_weights(old, engine_logprobs, tis_cap)
                 if mismatch_band:
-                    mask = grpo_roc.sequence_mask(old, engine_logprobs, mask, micro["traj_index"], mismatch_band)
+                    mask = grpo_roc.sequence_mask(old, engine_logprobs, mask, micro["traj_index"],
+                                                  mismatch_band)
                 loss, loss_stats = grpo_roc.policy_loss(
                     logprobs, old, micro["adv"], mask, eps_low=eps_low, eps_high=eps_high,
                     dual_clip=dual_clip or None, num_tokens=n_tokens, weights=token_weights,
-                    seq_ids=micro["traj_index"] if ratio_level == "sequence" else None, return_stats=True)
+                    seq_ids=micro["traj_index"] if ratio_level == "sequence" else None,
+                    return_stats=True)
                 # extra loss terms (loss_terms, the KL): per-token values, whose token-mean over the
                 # mini-batch times the term's coefficient joins the loss
                 for name, term, coef in terms:
@@ -428,10 +495,11 @@ while step < steps:
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch, averaged over mini-batches (ranks: step 4)
                 share = micro["mask"].sum() / n_tokens
-                sums["clip_frac"] = sums["clip_frac"] + loss_stats["clip_frac"] * share / len(parts)
-                sums["entropy"] = sums["entropy"] + (entropy * micro["mask"]).sum() / n_tokens / len(parts)
+                sums["clip_frac"] += loss_stats["clip_frac"] * share / len(parts)
+                sums["entropy"] += (entropy * micro["mask"]).sum() / n_tokens / len(parts)
             # optimizer step: one per mini-batch, after clipping the gradients' global norm
-            grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
+            total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            grad_norm = float(full_value(total_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     step += 1
@@ -449,36 +517,52 @@ while step < steps:
         # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
         **rollout_metrics(trajs, tool_names),
         # with more than one task in the run: reward, correct share and tool errors per task too (task/<name>/...)
-        **(task_metrics(trajs, lambda t: grading.row_task(problems[t.problem], task_module).__name__)
+        **(task_metrics(trajs,
+                        lambda traj: grading.row_task(problems[traj.problem], task_module).__name__)
            if len(task_names) > 1 else {}),
-        "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout, "rollout/generated_here": len(mine),
+        "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout,
+        "rollout/generated_here": len(mine),
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
-        "rollout/preemptions": engine.stats["preemptions"], "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],
-        "roc/kept": len(kept), "roc/reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
-        "roc/groups_all_right": n_all_right / prompts_per_step, "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
-        "loss/entropy": float(sums["entropy"]), "loss/clip_frac": float(sums["clip_frac"]),
-        "loss/grad_norm": grad_norm, "loss/lr": optimizer.param_groups[0]["lr"],
+        "rollout/preemptions": engine.stats["preemptions"],
+        "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],
+        "roc/kept": len(kept),
+        "roc/reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
+        "roc/groups_all_right": n_all_right / prompts_per_step,
+        "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
+        "loss/entropy": float(sums["entropy"]),
+        "loss/clip_frac": float(sums["clip_frac"]),
+        "loss/grad_norm": grad_norm,
+        "loss/lr": optimizer.param_groups[0]["lr"],
         # the extra loss terms' token-means (loss/kl, loss/<function>), before their coefficients
         **{name: float(sums[name]) for name, *_ in terms},
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
-        "mismatch/abs_mean": float(sums["abs"]) / n_loss, "mismatch/abs_max": float(mismatch_max),
-        "mismatch/kl_k3": float(sums["k3"]) / n_loss, "mismatch/ratio_out": float(sums["out"]) / n_loss,
+        "mismatch/abs_mean": float(sums["abs"]) / n_loss,
+        "mismatch/abs_max": float(mismatch_max),
+        "mismatch/kl_k3": float(sums["k3"]) / n_loss,
+        "mismatch/ratio_out": float(sums["out"]) / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
-        "time/rollout": t_rollout, "time/grade_wait": t_grade, "time/gather": t_gather, "time/exchange": t_exchange,
-        "time/tools_wait": engine.stats["tool_wait_s"], "time/train": t_train,
+        "time/rollout": t_rollout,
+        "time/grade_wait": t_grade,
+        "time/gather": t_gather,
+        "time/exchange": t_exchange,
+        "time/tools_wait": engine.stats["tool_wait_s"],
+        "time/train": t_train,
         # of time/train: the frozen reference's forwards (0 without one)
         "time/reference": t_reference,
         # this rank's grades that were scored 0 without a verdict: verification too slow (the helper replaced),
         # answers too long or nested too deep to parse, no helper to be had, the task's grade raised (grading.Grader.results)
-        "grade/timed_out": grader.stats["timed_out"], "grade/refused": grader.stats["refused"],
+        "grade/timed_out": grader.stats["timed_out"],
+        "grade/refused": grader.stats["refused"],
         "grade/failed": grader.stats["failed"],
     }
     logger.log(step, metrics)
-    print0(f"step {step:04d}/{steps} | reward {metrics['rollout/reward']:.3f} | kept {len(kept):3d} | "
-           f"len {metrics['rollout/response_len']:.0f} | trunc {metrics['rollout/truncated_frac']:.2f} | "
-           f"calls {metrics['tool/calls']:.2f} | tool_err {metrics['tool/err']:.3f} (pos {metrics['tool/err_pos']:.3f}) | "
-           f"ent {metrics['loss/entropy']:.3f} | gnorm {metrics['loss/grad_norm']:.2f} | "
-           f"dt {t_rollout:.1f}+{t_train:.1f}s")
+    print0(f"step {step:04d}/{steps} | reward {metrics['rollout/reward']:.3f} "
+           f"| kept {len(kept):3d} | len {metrics['rollout/response_len']:.0f} "
+           f"| trunc {metrics['rollout/truncated_frac']:.2f} | calls {metrics['tool/calls']:.2f} "
+           f"| tool_err {metrics['tool/err']:.3f} (pos {metrics['tool/err_pos']:.3f}) "
+           f"| ent {metrics['loss/entropy']:.3f} | gnorm {metrics['loss/grad_norm']:.2f} "
+           f"| dt {t_rollout:.1f}+{t_train:.1f}s")
+
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):
         dump_step(step, mine, trajs)
