@@ -79,7 +79,10 @@ class Trajectory:
     environment: object = None
 
 
-WAITING, DECODE, TOOLS = "waiting", "decode", "tools"  # a row's states (see Row)
+# a row's states (see Row)
+WAITING = "waiting"
+DECODE = "decode"
+TOOLS = "tools"
 
 
 class Row:
