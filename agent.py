@@ -38,33 +38,39 @@ from dataclasses import dataclass
 # the protocol text, identical to the released rStar2-Agent-14B
 
 SYSTEM_PROMPT = (
-    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
-    "The Assistant first thinks about the reasoning process in the mind and then provides the User with "
-    "the answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within "
-    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer "
-    "here </answer>."
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves "
+    "it. The Assistant first thinks about the reasoning process in the mind and then provides the "
+    "User with the answer. The reasoning process is enclosed within <reason> </reason> and answer "
+    "is enclosed within <answer> </answer> tags, respectively, i.e., <reason> reasoning process "
+    "here </reason> <answer> answer here </answer>."
 )
 USER_PREFIX = (
-    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
-    "And your final answer will be extracted automatically by the \\boxed{} tag.\nThis is the problem:\n"
+    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here "
+    "</answer>. And your final answer will be extracted automatically by the \\boxed{} tag.\n"
+    "This is the problem:\n"
 )
-TOOL_NAME = "execute_python_code_with_standard_io"  # paper Fig. 3 and the HF model card (the repo says python_code_with_standard_io)
+# paper Fig. 3 and the HF model card (the repo says python_code_with_standard_io)
+TOOL_NAME = "execute_python_code_with_standard_io"
 TOOL_SCHEMA = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,
-        "description": "Execute Python code with standard input and capture standard output. This function takes a "
-                       "Python code string and an input string, provides the input string through standard input "
-                       "(stdin) to the code, and captures and returns any output produced through standard output "
-                       "(stdout). If the executed code raises an exception, the error message will be captured and "
-                       "returned instead.",
+        "description":
+            "Execute Python code with standard input and capture standard output. This function "
+            "takes a Python code string and an input string, provides the input string through "
+            "standard input (stdin) to the code, and captures and returns any output produced "
+            "through standard output (stdout). If the executed code raises an exception, the "
+            "error message will be captured and returned instead.",
         "parameters": {
             "type": "object",
-            "properties": {  # key order matters: the prompt lists them as json.dumps writes this dict
-                "code": {"type": "string", "description": "A string containing Python code to be executed. The code "
-                         "can read from standard input using the input() function."},
-                "input": {"type": "string", "description": "A string that will be provided as standard input to the "
-                          "code when it calls input()."},
+            # key order matters: the prompt lists them as json.dumps writes this dict
+            "properties": {
+                "code": {"type": "string",
+                         "description": "A string containing Python code to be executed. The code "
+                                        "can read from standard input using the input() function."},
+                "input": {"type": "string",
+                          "description": "A string that will be provided as standard input to the "
+                                         "code when it calls input()."},
             },
             "required": ["code", "input"],
         },
@@ -85,7 +91,8 @@ TOOL_STATUSES = {
     "timeout": "it ran past its time limit and was stopped",
     "memory": "it ran past its memory limit",
     "crash": "it was killed by a signal",
-    "invalid": "it never ran: bad JSON, an unknown tool or bad arguments (answered with the release's text)",
+    "invalid": "it never ran: bad JSON, an unknown tool or bad arguments "
+               "(answered with the release's text)",
     "overloaded": "our own infrastructure was too busy to run it: not the policy's failure",
 }
 TOOL_ERRORS = frozenset({"invalid", "error", "timeout", "memory", "crash"})
@@ -115,21 +122,26 @@ class Tool:
 
 
 EXEC_ERROR = "Error when executing tool: "  # the release's text when running a parsed call raises
-OUTPUT_CAP = 1000  # chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
+# chars code-judge keeps of stdout and of stderr each (its MAX_STDOUT_ERROR_LENGTH)
+OUTPUT_CAP = 1000
 OVERLOADED = EXEC_ERROR + "run_tool_calls_on_server_async failed for 1 tool calls after 4 attempts."
 
 
 def run_python(args, sandbox):
     # the release's Python tool: the checks its client makes, in its order, raising what it raises
-    code, stdin = args.get("code", ""), args.get("input", "")  # arguments that are not an object: .get raises
+    # arguments that are not an object: .get raises
+    code = args.get("code", "")
+    stdin = args.get("input", "")
     if not isinstance(code, str):  # the client base64-encodes code.encode()
         raise AttributeError(f"'{type(code).__name__}' object has no attribute 'encode'")
-    if stdin is not None and not isinstance(stdin, str):  # code-judge answers 422, the client gives up
+    # code-judge answers 422, the client gives up
+    if stdin is not None and not isinstance(stdin, str):
         raise RuntimeError(OVERLOADED[len(EXEC_ERROR):])
     return sandbox.submit(code, stdin or "")
 
 
-PYTHON_TOOLS = {TOOL_NAME: Tool(TOOL_SCHEMA, run_python)}  # the rStar2 task's table: the one Python tool
+# the rStar2 task's table: the one Python tool
+PYTHON_TOOLS = {TOOL_NAME: Tool(TOOL_SCHEMA, run_python)}
 
 
 def tools_text(tools):
@@ -140,16 +152,17 @@ def tools_text(tools):
     return ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
             + "".join("\n" + json.dumps(t.schema, ensure_ascii=False) for t in tools.values())
-            + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-            "<args-json-object>}\n</tool_call>")
+            + "\n</tools>\n\nFor each function call, return a json object with function name and "
+            "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+            "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 
 
 def prompt_text(question, system=SYSTEM_PROMPT, tools=PYTHON_TOOLS, user_prefix=USER_PREFIX):
     """The full prompt string for one question, ending in the forced '<|im_start|>assistant\\n<reason>'.
     The defaults are the rStar2 task's: its system prompt, its Python tool and its user prefix."""
     if not isinstance(question, str) or not isinstance(system, str):
-        raise TypeError(f"question and system must be strings, got {type(question).__name__} and {type(system).__name__}")
+        raise TypeError(f"question and system must be strings, got {type(question).__name__} "
+                        f"and {type(system).__name__}")
     return (f"<|im_start|>system\n{system}{tools_text(tools)}{END}\n"
             f"<|im_start|>user\n{user_prefix}{question}{END}\n" + GENERATION_PROMPT)
 
@@ -172,7 +185,8 @@ def _parse_one_call(block, tools):
     # ones its code makes, in its order, and the messages are those of the exceptions it would raise.
     try:
         call = json.loads(block)  # not stripped: a JSON error's line and column count from the "\n"
-        name, args = call["name"], call["arguments"]
+        name = call["name"]
+        args = call["arguments"]
     except Exception as e:
         return f"Failed to decode tool call: {e}"
     if not isinstance(name, str):  # verl's FunctionCall (pydantic) refuses it, inside the same try
@@ -212,8 +226,10 @@ def start_call(call, tools, sandbox, environment=None):
     answer. A record: tool (its name, "" if unknown), arguments, and once answered status, output, duration.
     environment: the trajectory's own (Tool's `stateful`), None when its task has none."""
     if isinstance(call, str):
-        return {"tool": "", "arguments": None, "status": "invalid", "output": call, "duration": 0.0}, None
-    rec, tool = {"tool": call.name, "arguments": call.arguments}, tools[call.name]
+        return {"tool": "", "arguments": None, "status": "invalid", "output": call,
+                "duration": 0.0}, None
+    rec = {"tool": call.name, "arguments": call.arguments}
+    tool = tools[call.name]
     try:
         return rec, tool.run(call.arguments, environment if tool.stateful else sandbox)
     except Exception as e:  # bad arguments: the release answers what the tool raised
@@ -225,11 +241,13 @@ def call_faults(records):
     """The tool-format health of a trajectory's calls (their records, in order), one label a call: "unparsed"
     (no JSON object with a string name), "unknown_tool" (a name the table lacks), "repeat" (the same tool and
     arguments as the call before it), else "". The first two are start_call's records without a tool."""
-    faults, previous = [], None
+    faults = []
+    previous = None
     for rec in records:
         call = (rec.get("tool"), rec.get("arguments"))
         if not call[0] and rec.get("status") == "invalid":
-            faults.append("unknown_tool" if rec.get("output", "").startswith(EXEC_ERROR) else "unparsed")
+            faults.append("unknown_tool" if rec.get("output", "").startswith(EXEC_ERROR)
+                          else "unparsed")
         else:
             faults.append("repeat" if call == previous else "")
         previous = call if call[0] else None
@@ -267,14 +285,20 @@ def tool_response_text(result, max_chars=256):
     if status == "ok":
         head = ["Tool call success"]
     elif status == "timeout":
-        head, stdout = ["Tool call failure", "reason: worker_timeout"], stdout + "Suicide from timeout.\n"
+        head = ["Tool call failure", "reason: worker_timeout"]
+        stdout = stdout + "Suicide from timeout.\n"
     elif status in ("error", "memory", "crash"):
-        head = ["Tool call failure", "reason: "]  # stdout: only what the harness had flushed (the sandbox's)
+        # stdout: only what the harness had flushed (the sandbox's)
+        head = ["Tool call failure", "reason: "]
     else:
         raise ValueError(f"unknown sandbox result status {status!r}")
-    stdout, stderr = stdout[:OUTPUT_CAP], _without_notes(result.stderr)[:OUTPUT_CAP]
-    parts = head + ([f"stdout: {stdout}"] if stdout else []) + ([f"stderr: {stderr}"] if stderr else [])
-    seconds = round(result.duration) if status == "timeout" else 0.01  # not measured: see the module docstring
+    stdout = stdout[:OUTPUT_CAP]
+    stderr = _without_notes(result.stderr)[:OUTPUT_CAP]
+    parts = (head
+             + ([f"stdout: {stdout}"] if stdout else [])
+             + ([f"stderr: {stderr}"] if stderr else []))
+    # not measured: see the module docstring
+    seconds = round(result.duration) if status == "timeout" else 0.01
     return truncate("\n".join(parts + [f"execution time: {seconds:.2f}s"]), max_chars)
 
 
@@ -323,11 +347,15 @@ def check_messages(messages, tool_names=None):
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list')
-    out, pending, seen_user = [], 0, False  # pending: calls of the last assistant turn not yet answered
+    out = []
+    # calls of the last assistant turn not yet answered
+    pending = 0
+    seen_user = False
     for i, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"message {i}: unknown role {role!r} (system, user, assistant or tool)")
+            raise ValueError(
+                f"message {i}: unknown role {role!r} (system, user, assistant or tool)")
         calls = (m.get("tool_calls") or []) if role == "assistant" else []
         if not isinstance(calls, list):
             raise ValueError(f"message {i}: tool_calls must be a list")
@@ -336,7 +364,8 @@ def check_messages(messages, tool_names=None):
         if role == "tool" and not pending:
             raise ValueError(f"message {i}: tool message without a preceding tool call")
         if role != "tool" and pending:
-            raise ValueError(f"message {i}: {role} message while {pending} tool call(s) have no tool message")
+            raise ValueError(
+                f"message {i}: {role} message while {pending} tool call(s) have no tool message")
         if role == "assistant" and not seen_user:
             raise ValueError(f"message {i}: assistant message before any user message")
         seen_user |= role == "user"
@@ -345,14 +374,15 @@ def check_messages(messages, tool_names=None):
         for call in calls:
             name, args = read_tool_call(call, i)
             if tool_names is not None and name not in tool_names:
-                raise ValueError(f"message {i}: calls {name!r}, which is not in the conversation's tools")
+                raise ValueError(
+                    f"message {i}: calls {name!r}, which is not in the conversation's tools")
             fn = dict(call.get("function", call), arguments=args)
             fixed.append(dict(call, function=fn) if "function" in call else fn)
         out.append(dict(m, tool_calls=fixed) if calls else m)
     if pending or messages[-1]["role"] != "assistant":
         last = "unanswered tool calls" if pending else f"a {messages[-1]['role']} message"
-        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an assistant reply "
-                         f"without tool calls, not {last}")
+        raise ValueError(f"message {len(messages) - 1}: the conversation must end with an "
+                         f"assistant reply without tool calls, not {last}")
     return out
 
 
@@ -369,30 +399,38 @@ def conversation_segments(messages, tools=PYTHON_TOOLS):
     if messages[first]["role"] != "user":
         raise ValueError(f"message {first}: expected the user question")
     system = messages[0]["content"] if first else SYSTEM_PROMPT
-    segments, responses = [(prompt_text(messages[first]["content"], system, tools), 0)], []
+    segments = [(prompt_text(messages[first]["content"], system, tools), 0)]
+    responses = []
     for i, m in enumerate(messages[first + 1:], first + 1):
         # a tool message: its response joins the others of its turn, all written once the last is in
         if m["role"] == "tool":
             responses.append(m["content"])
-            if messages[i + 1]["role"] != "tool":  # the last message is an assistant's: there is an i + 1
+            # the last message is an assistant's: there is an i + 1
+            if messages[i + 1]["role"] != "tool":
                 segments.append((tool_suffix_text(responses), 0))
                 responses = []
             continue
         if m["role"] != "assistant":
-            raise ValueError(f"message {i}: unexpected {m['role']} message (only one leading system and one user)")
+            raise ValueError(f"message {i}: unexpected {m['role']} message "
+                             "(only one leading system and one user)")
         # an assistant turn: its text after the forced <reason>, then its calls as the template writes them
         content = m["content"]
         if not isinstance(content, str) or not content.startswith("<reason>"):
-            raise ValueError(f"message {i}: assistant content must be a string starting with <reason>")
+            raise ValueError(
+                f"message {i}: assistant content must be a string starting with <reason>")
         if "<tool_call>" in content:
-            raise ValueError(f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
+            raise ValueError(
+                f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
         if not m.get("tool_calls") and i != len(messages) - 1:
-            raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant turn (no tool calls)")
+            raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant "
+                             "turn (no tool calls)")
         text = content[len("<reason>"):]
         for call in m.get("tool_calls") or []:
             name, args = read_tool_call(call, i)
             # same bytes as the template: {"name": "...", "arguments": <tojson>}
-            text += "\n<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+            text += ("\n<tool_call>\n"
+                     + json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+                     + "\n</tool_call>")
         segments.append((text + END, 1))
     return segments
 
@@ -405,7 +443,8 @@ def render_conversation(tokenizer, messages, tools=PYTHON_TOOLS):
 
 def encode_segments(tokenizer, segments):
     """(ids, mask) of (text, mask) pieces, each tokenized on its own, the way a rollout appends tokens."""
-    ids, mask = [], []
+    ids = []
+    mask = []
     for text, m in segments:
         piece = tokenizer.encode(text, add_special_tokens=False)
         ids += piece
@@ -418,7 +457,8 @@ def encode_segments(tokenizer, segments):
 def mask_runs(tokenizer, ids, mask):
     """[[text, m], ...]: the response decoded in runs of equal loss-mask value (1: sampled by the policy,
     0: tool responses and forced glue)."""
-    runs, start = [], 0
+    runs = []
+    start = 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or mask[i] != mask[start]:
             runs.append([tokenizer.decode(ids[start:i]), mask[start]])
@@ -438,7 +478,8 @@ def _pieces(text):
     # blocks (an unclosed one runs to the end of its turn): what an answer may be read from
     out = []
     for turn in [text] if isinstance(text, str) else text:
-        pieces, i = [], 0
+        pieces = []
+        i = 0
         for a, b in _blocks(turn, "<tool_call>", "</tool_call>"):
             pieces.append(turn[i:a - len("<tool_call>")])
             i = b + len("</tool_call>")
@@ -449,7 +490,9 @@ def _pieces(text):
 def count_answers(text):
     """Number of complete <answer>...</answer> blocks outside tool calls, over all the turns of a text or a
     list of sampled turns (the paper allows one: RoC's p_format counts the extra ones of the trajectory)."""
-    return sum(1 for turn in _pieces(text) for p in turn for _ in _blocks(p, "<answer>", "</answer>"))
+    return sum(1 for turn in _pieces(text)
+               for p in turn
+               for _ in _blocks(p, "<answer>", "</answer>"))
 
 
 def answer_block(text):
@@ -469,7 +512,8 @@ def extract_answer(text):
     start = block.rfind("\\boxed{")
     if start < 0:
         return None
-    begin, depth = start + len("\\boxed{"), 1
+    begin = start + len("\\boxed{")
+    depth = 1
     # the braces after it, left to right, until the one that closes it; a backslash and the character after it
     # are skipped as one (\{ and \} are literal braces, not grouping)
     for token in re.finditer(r"\\.|[{}]", block[begin:]):

@@ -53,8 +53,10 @@ from model import KVCache, use_flash
 class Request:
     prompt_ids: list
     key: tuple = (0, 0, 0)  # (step, prompt index, sample index): seeds the row's generator
-    meta: dict = field(default_factory=dict)  # passed through to the trajectory (e.g. the gold answer)
-    tools: dict = None  # the tool table of the row's task (name -> agent.Tool); None: the engine's tool_table
+    # passed through to the trajectory (e.g. the gold answer)
+    meta: dict = field(default_factory=dict)
+    # the tool table of the row's task (name -> agent.Tool); None: the engine's tool_table
+    tools: dict = None
     # makes the trajectory's environment, called once when the row is claimed (e.g. functools.partial(
     # task.environment, row)); None: the task keeps no state across calls
     environment: object = None
@@ -66,7 +68,8 @@ class Trajectory:
     prompt_ids: list
     response_ids: list = field(default_factory=list)
     mask: list = field(default_factory=list)  # 1 on sampled tokens, 0 on tool responses and glue
-    logprobs: list = field(default_factory=list)  # sampling-time log-prob of each token (0 where mask 0)
+    # sampling-time log-prob of each token (0 where mask 0)
+    logprobs: list = field(default_factory=list)
     tool_calls: list = field(default_factory=list)  # dicts: code, stdin, status, output, duration
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
@@ -76,7 +79,10 @@ class Trajectory:
     environment: object = None
 
 
-WAITING, DECODE, TOOLS = "waiting", "decode", "tools"  # a row's states (see Row)
+# a row's states (see Row)
+WAITING = "waiting"
+DECODE = "decode"
+TOOLS = "tools"
 
 
 class Row:
@@ -86,14 +92,20 @@ class Row:
     tools:   parked on its tool calls (`calls`), in the KV unless preempted meanwhile"""
 
     def __init__(self, req, slot, gen, budget, seq):
-        self.req, self.slot, self.gen, self.budget, self.seq = req, slot, gen, budget, seq
+        self.req = req
+        self.slot = slot
+        self.gen = gen
+        self.budget = budget
+        self.seq = seq
         self.traj = Trajectory(key=req.key, prompt_ids=list(req.prompt_ids), meta=req.meta)
         self.state = WAITING
         self.turn_start = 0  # index in response_ids where the current assistant turn began
-        self.pending = list(req.prompt_ids)  # tokens already in the trajectory but not yet in the KV cache
+        # tokens already in the trajectory but not yet in the KV cache
+        self.pending = list(req.prompt_ids)
         self.logits = None  # (V,) logits to sample the next token from
         self.calls = []  # while parked: list of (record, future or None)
-        self.deadline = 0.0  # while parked: when (time.monotonic) calls still unanswered are answered "timeout"
+        # while parked: when (time.monotonic) calls still unanswered are answered "timeout"
+        self.deadline = 0.0
         self.dropped = 0  # tokens preemption took out of the KV, to be prefilled again
 
 
@@ -137,8 +149,12 @@ class Pager:
     def __init__(self, model, kv_capacity, max_len, reserve, max_rows, page_size, stats, log):
         self.auto = reserve == "auto"
         if not self.auto and not (isinstance(reserve, (int, float)) and 0 <= reserve <= 1):
-            raise ValueError(f"reserve (train_rl's kv_reserve): a share of the budget in [0, 1] or 'auto': {reserve!r}")
-        self.reserve, self.max_len, self.stats, self.log = reserve, max_len, stats, log
+            raise ValueError("reserve (train_rl's kv_reserve): a share of the budget in [0, 1] "
+                             f"or 'auto': {reserve!r}")
+        self.reserve = reserve
+        self.max_len = max_len
+        self.stats = stats
+        self.log = log
         param = next(model.parameters())
         # flash-attn's paged kernel needs pages of a multiple of 256 tokens; 16 keeps rounding small elsewhere
         page_size = page_size or (256 if use_flash(param.device, param.dtype) else 16)
@@ -150,7 +166,8 @@ class Pager:
         least = 1e-6 if self.auto else max(reserve, 1e-6)
         self.num_rows = max_rows or min(num_pages, int(kv_capacity / (least * max_len)))
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
-        self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype, num_pages, page_size)
+        self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype,
+                             num_pages, page_size)
         # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
         self.seq = itertools.count()
 
@@ -161,9 +178,11 @@ class Pager:
             self.cache.release(slot)
         # hold: True from a preemption until a row finishes: no admissions meanwhile, since a row admitted
         # then could only push out the row just preempted
-        self.hold, self.budget = False, budget
+        self.hold = False
+        self.budget = budget
         # auto: the response shares of this run's finished rows, summed, and how many they are
-        self.used, self.ended = 0.0, 0
+        self.used = 0.0
+        self.ended = 0
 
     def share(self, rows):
         """The share of a row's response budget promised to it, given the run's rows (unfinished)."""
@@ -172,7 +191,8 @@ class Pager:
         # the run's mean response share so far; with nothing finished yet, the prior. Early finishes are
         # the short rows, so the running ones count at the prior until they end: the mean moves as the
         # run's rows actually end, not with the first few
-        mean = (self.used + len(rows) * AUTO_PRIOR) / (self.ended + len(rows)) if self.ended + len(rows) else AUTO_PRIOR
+        counted = self.ended + len(rows)
+        mean = (self.used + len(rows) * AUTO_PRIOR) / counted if counted else AUTO_PRIOR
         # a row's KV grows from its prompt to prompt + response: rows of all ages together hold about half
         # of their final responses, so half the mean is promised (rows past it count at what they hold)
         return mean / 2
@@ -180,11 +200,12 @@ class Pager:
     def claimable(self, rows, free):
         """How many new requests to claim now: while slots and unpromised pages are free. An empty
         engine always claims one; none while preempted rows wait (they get back in first) or on hold."""
-        if self.hold or not free or any(r.state == WAITING for r in rows.values()):
+        if self.hold or not free or any(row.state == WAITING for row in rows.values()):
             return 0
         # one claim's worth of pages: a request with the longest prompt (max_len - budget) and its promise
         prompt = max(self.max_len - self.budget, 1)
-        per_claim = self.cache.pages(min(prompt + math.ceil(self.share(rows) * self.budget), self.max_len))
+        per_claim = self.cache.pages(min(prompt + math.ceil(self.share(rows) * self.budget),
+                                         self.max_len))
         return min(free, max(self.headroom(rows) // per_claim, 0 if rows else 1))
 
     def reserved(self, row, share):
@@ -196,22 +217,28 @@ class Pager:
         """Free pages not yet promised to the rows (a dict slot -> Row) in the KV."""
         share = self.share(rows)
         # what each row in the KV was promised and does not hold yet
-        promised = sum(max(0, self.cache.pages(self.reserved(r, share)) - int(self.cache.npages[r.slot]))
-                       for r in rows.values() if self.cache.holds(r.slot))
+        promised = sum(max(0, self.cache.pages(self.reserved(row, share))
+                           - int(self.cache.npages[row.slot]))
+                       for row in rows.values() if self.cache.holds(row.slot))
         return self.cache.free_pages() - promised
 
     def admit(self, waiting, rows):
         """Waiting rows, oldest first, enter the KV while the headroom covers their promise (or nothing
         else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the other
         samples of that prompt then share."""
-        running = any(self.cache.holds(r.slot) for r in rows.values())
+        running = any(self.cache.holds(row.slot) for row in rows.values())
         if not waiting or (self.hold and running):
             return []
-        room, share, todo = self.headroom(rows), self.share(rows), []
-        for row in sorted(waiting, key=lambda r: r.seq):
+        # free pages not yet promised, what each row is promised, the prefills admitted so far
+        room = self.headroom(rows)
+        share = self.share(rows)
+        todo = []
+        for row in sorted(waiting, key=lambda row: row.seq):
             # another sample of the prompt just admitted: it shares that prefill and needs only its growth
             fresh = not row.traj.response_ids
-            twin = fresh and todo and todo[-1].row.traj.response_ids == [] and todo[-1].ids == row.pending
+            twin = (fresh and todo
+                    and todo[-1].row.traj.response_ids == []
+                    and todo[-1].ids == row.pending)
             need = self.cache.pages(self.reserved(row, share))
             # first come, first served: a later row never overtakes an earlier one that does not fit
             if need > room and (running or todo):
@@ -229,38 +256,40 @@ class Pager:
         cache = self.cache
         # each row's tokens and pages, read once as lists (a tensor read per row cost ~2% of a decode step at
         # batch 64); preempting a row changes no other row's, and a preempted row's item drops out
-        lengths, held = cache.lengths.tolist(), cache.npages.tolist()
+        lengths = cache.lengths.tolist()
+        held = cache.npages.tolist()
 
-        def need(it):
+        def need(item):
             # new pages: the row's growth + a copy of a partly filled last page per sharing sample
-            end = lengths[it.row.slot] + len(it.ids)
-            return max(0, cache.pages(end) - held[it.row.slot]) + len(it.copies) * (end % cache.page_size > 0)
-        while sum(need(it) for it in todo) > cache.free_pages():
-            victim = self.victim(rows, [it.row for it in todo])
+            end = lengths[item.row.slot] + len(item.ids)
+            growth = max(0, cache.pages(end) - held[item.row.slot])
+            return growth + len(item.copies) * (end % cache.page_size > 0)
+        while sum(need(item) for item in todo) > cache.free_pages():
+            victim = self.victim(rows, [item.row for item in todo])
             self.preempt(victim)
-            todo = [it for it in todo if it.row is not victim]
-        for it in todo:
-            cache.grow(it.row.slot, lengths[it.row.slot] + len(it.ids))
+            todo = [item for item in todo if item.row is not victim]
+        for item in todo:
+            cache.grow(item.row.slot, lengths[item.row.slot] + len(item.ids))
         return todo
 
     def victim(self, rows, work):
         """Who gives up its pages: a row parked on a tool call first (it is not decoding anyway), then the
         most recently admitted (the oldest rows keep going, so every row finishes)."""
         # rows in `work` not yet in the KV can be sent back to wait: that frees nothing but their claim
-        held = [r for r in rows.values() if self.cache.holds(r.slot) or r in work]
-        return max(held, key=lambda r: (r.state == TOOLS, r.seq))
+        held = [row for row in rows.values() if self.cache.holds(row.slot) or row in work]
+        return max(held, key=lambda row: (row.state == TOOLS, row.seq))
 
     def preempt(self, row):
         """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
-        n = int(self.cache.lengths[row.slot])
-        if n:
+        cached = int(self.cache.lengths[row.slot])
+        if cached:
             self.cache.release(row.slot)
             # token-in/token-out: the whole context so far is what gets prefilled on re-admission
             row.pending = row.traj.prompt_ids + row.traj.response_ids
-            row.dropped += n
+            row.dropped += cached
             self.hold = True
             self.stats["preemptions"] += 1
-            self.log("preempt", row, tokens=n)
+            self.log("preempt", row, tokens=cached)
         # a parked row stays parked: it is re-admitted once its answers are in (Engine.resume)
         if row.state == DECODE:
             row.state = WAITING
@@ -294,24 +323,41 @@ class Engine:
         still unanswered then is answered "timeout" (a failed call) and never waited on again. None: the
         sandbox pool's own bound (its queue wait + its time limit) + CALL_MARGIN, so a sandbox call is
         always answered by the pool first."""
-        self.model, self.tok, self.tools, self.tool_table = model, tokenizer, tools, tool_table
-        self.max_len, self.temperature, self.top_p, self.seed = max_len, temperature, top_p, seed
-        self.max_turns, self.max_calls, self.tool_max_chars = max_turns, max_calls_per_turn, tool_max_chars
-        self.prefill_tokens = prefill_tokens  # padded tokens per prefill forward (activation memory)
-        self.call_timeout = call_timeout or (getattr(tools, "queue_timeout", 60.0) + getattr(tools, "timeout", 4.0)
+        self.model = model
+        self.tok = tokenizer
+        self.tools = tools
+        self.tool_table = tool_table
+        self.max_len = max_len
+        self.temperature = temperature
+        self.top_p = top_p
+        self.seed = seed
+        self.max_turns = max_turns
+        self.max_calls = max_calls_per_turn
+        self.tool_max_chars = tool_max_chars
+        # padded tokens per prefill forward (activation memory)
+        self.prefill_tokens = prefill_tokens
+        self.call_timeout = call_timeout or (getattr(tools, "queue_timeout", 60.0)
+                                             + getattr(tools, "timeout", 4.0)
                                              + CALL_MARGIN)
         # wait for every tool answer before the next step (no overlap of tools and decoding), so which rows
         # share a forward never depends on how fast the tools answered: on CPU a matmul over 1-5 rows
         # rounds differently from one over 16+, and a flipped sampled token changes the rest of a rollout
         self.deterministic = deterministic
         self.device = next(model.parameters()).device
-        self.stop_ids = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        self.stop_ids = {tokenizer.convert_tokens_to_ids(token)
+                         for token in ("<|im_end|>", "<|endoftext|>")}
         self.events = [] if log_events else None
         # per run() (reset at its start): forwards, tokens, seconds waited on tools, preemptions
-        self.stats = {"decode_steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "tool_wait_s": 0.0,
-                      "preemptions": 0, "recomputed_tokens": 0}
-        self.pager = Pager(model, kv_capacity, max_len, reserve, max_rows, page_size, self.stats, self.log)
-        self.cache, self.num_rows = self.pager.cache, self.pager.num_rows
+        self.stats = {"decode_steps": 0,
+                      "decode_tokens": 0,
+                      "prefill_tokens": 0,
+                      "tool_wait_s": 0.0,
+                      "preemptions": 0,
+                      "recomputed_tokens": 0}
+        self.pager = Pager(model, kv_capacity, max_len, reserve, max_rows, page_size,
+                           self.stats, self.log)
+        self.cache = self.pager.cache
+        self.num_rows = self.pager.num_rows
 
     def log(self, kind, row, **info):
         if self.events is not None:
@@ -323,9 +369,9 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0.0):
         """Plain completions, no tools: list of token-id lists in, list of generated id lists out."""
-        reqs = [Request(list(p), key=(0, i, 0)) for i, p in enumerate(prompts)]
+        reqs = [Request(list(prompt), key=(0, i, 0)) for i, prompt in enumerate(prompts)]
         trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=temperature, use_tools=False)
-        return [t.response_ids for t in sorted(trajs, key=lambda t: t.key)]
+        return [traj.response_ids for traj in sorted(trajs, key=lambda traj: traj.key)]
 
     @torch.no_grad()
     def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True, keep=True):
@@ -335,55 +381,71 @@ class Engine:
         this run only."""
         temperature = self.temperature if temperature is None else temperature
         tools = self.tools if use_tools else None
-        rows, free, done, exhausted = {}, list(range(self.num_rows))[::-1], [], False
+        # the rows claimed and not finished, by KV slot
+        rows = {}
+        # the free slots, taken from the end: slot 0 first
+        free = list(range(self.num_rows))[::-1]
+        # the finished trajectories (keep=True)
+        done = []
+        # claim() returned no requests: it has no more
+        exhausted = False
         self.stats.update({k: 0 for k in self.stats}, tool_wait_s=0.0)
         self.pager.start(budget)
         try:
             while rows or not exhausted:
                 # 1. claim new requests while slots and unpromised pages are free; rows that wait to get back
                 # into the KV come first (and an empty engine always claims)
-                n = 0 if exhausted else self.pager.claimable(rows, len(free))
-                if n > 0:
-                    reqs = claim(n)
-                    exhausted = not reqs
-                    self.claimed(reqs, free, rows, budget)
+                n_claim = 0 if exhausted else self.pager.claimable(rows, len(free))
+                if n_claim > 0:
+                    requests = claim(n_claim)
+                    exhausted = not requests
+                    self.claimed(requests, free, rows, budget)
                 # 2. parked rows whose tool answers have all arrived, or whose calls ran out of time, get them
                 # appended
                 todo = []
                 if self.deterministic:
                     # every answer first (or every deadline passed), so which rows share the next forward does not
                     # depend on timing
-                    concurrent.futures.wait([f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f],
+                    concurrent.futures.wait([future for row in rows.values() if row.state == TOOLS
+                                             for _, future in row.calls if future],
                                             timeout=self.call_timeout)
                 now = time.monotonic()
-                for row in [r for r in rows.values() if r.state == TOOLS]:
-                    if now >= row.deadline or all(f is None or f.done() for _, f in row.calls):
+                # the rows parked on their tool calls
+                parked = [row for row in rows.values() if row.state == TOOLS]
+                for row in parked:
+                    answered = all(future is None or future.done() for _, future in row.calls)
+                    if now >= row.deadline or answered:
                         todo += self.resume(row)
                 # 3. waiting rows enter the KV in admission order, while their promise fits
-                todo += self.pager.admit([r for r in rows.values() if r.state == WAITING], rows)
+                waiting = [row for row in rows.values() if row.state == WAITING]
+                todo += self.pager.admit(waiting, rows)
                 # 4. the prompts, tool responses and recomputed contexts of this step go through the model
                 # together, once they have pages (which may preempt rows)
                 todo = self.pager.fit(todo, rows)
                 if todo:
                     self.prefill(todo)
                 # 5. sample one token for every row that has logits, then one batched decode step
-                ready = [r for r in rows.values() if r.logits is not None]
-                futures = [f for r in rows.values() if r.state == TOOLS for _, f in r.calls if f is not None]
+                ready = [row for row in rows.values() if row.logits is not None]
+                # the calls still out, waited on below when there is nothing to decode
+                futures = [future for row in rows.values() if row.state == TOOLS
+                           for _, future in row.calls if future is not None]
                 if ready:
-                    for row, tok, lp in zip(ready, *self.sample(ready, temperature)):
-                        self.step_row(row, tok, lp, tools)
+                    for row, token, logprob in zip(ready, *self.sample(ready, temperature)):
+                        self.step_row(row, token, logprob, tools)
                     # rows preempted since their last forward sample too, but decode only after re-admission
-                    going = [Feed(r, r.pending) for r in ready if r.state == DECODE and not r.traj.finish]
-                    going = sorted(self.pager.fit(going, rows), key=lambda it: it.row.slot)
+                    going = [Feed(row, row.pending) for row in ready
+                             if row.state == DECODE and not row.traj.finish]
+                    going = sorted(self.pager.fit(going, rows), key=lambda item: item.row.slot)
                     if going:
-                        self.decode([it.row for it in going])
+                        self.decode([item.row for item in going])
                 elif futures:
                     # nothing to decode: wait for the first tool answer
-                    t0 = time.perf_counter()
+                    wait_start = time.perf_counter()
                     concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
-                    self.stats["tool_wait_s"] += time.perf_counter() - t0
+                    self.stats["tool_wait_s"] += time.perf_counter() - wait_start
                 # 6. free the rows that finished: their pages and their slot
-                for row in [r for r in rows.values() if r.traj.finish]:
+                finished = [row for row in rows.values() if row.traj.finish]
+                for row in finished:
                     del rows[row.slot]
                     self.pager.finished(row)
                     free.append(row.slot)
@@ -401,18 +463,20 @@ class Engine:
         assert self.cache.free_pages() == self.cache.num_pages, "pages leaked"
         return done
 
-    def claimed(self, reqs, free, rows, budget):
+    def claimed(self, requests, free, rows, budget):
         """Claimed requests take free slots as waiting rows (nothing in the KV yet)."""
-        for req in reqs:
-            n = len(req.prompt_ids)
-            if n + 1 > self.max_len:
-                raise ValueError(f"prompt of {n} tokens does not fit max_len {self.max_len}")
-            gen = row_generator(self.seed, req.key, self.device)
-            row = Row(req, free.pop(), gen, min(budget, self.max_len - n), seq=next(self.pager.seq))
+        for request in requests:
+            prompt_len = len(request.prompt_ids)
+            if prompt_len + 1 > self.max_len:
+                raise ValueError(
+                    f"prompt of {prompt_len} tokens does not fit max_len {self.max_len}")
+            generator = row_generator(self.seed, request.key, self.device)
+            row = Row(request, free.pop(), generator, min(budget, self.max_len - prompt_len),
+                      seq=next(self.pager.seq))
             rows[row.slot] = row
             # the trajectory's own environment, made once: preemption and re-admission keep the Row, so this
             # object and no other sees this trajectory's calls
-            row.traj.environment = req.environment() if req.environment else None
+            row.traj.environment = request.environment() if request.environment else None
             self.log("admit", row, slot=row.slot)
 
     # ---------------------------------------------------------------------------------------------
@@ -422,132 +486,159 @@ class Engine:
         """The new tokens of several rows (prompts, tool responses) through the model together: shortest
         first, right-padded, in forwards of at most `prefill_tokens` padded tokens (which bounds activation
         memory), each row with room in its cache row for the padded length."""
-        group, held = [], 0  # held: the most tokens a row of the group already has in the cache
-        for item in sorted(todo, key=lambda it: len(it.ids)):
-            # T: the group's padded length if this item joins
-            T, n = len(item.ids), int(self.cache.lengths[item.row.slot])
-            if group and (T * (len(group) + 1) > self.prefill_tokens or max(held, n) + T > self.max_len):
+        # the items of the next forward, and the most tokens a row of them already has in the cache
+        group = []
+        held = 0
+        for item in sorted(todo, key=lambda item: len(item.ids)):
+            # the group's padded length if this item joins (it is the longest yet), and the row's tokens
+            # already in the cache
+            padded_len = len(item.ids)
+            cached = int(self.cache.lengths[item.row.slot])
+            # the group goes through the model first if the item would overflow the forward's tokens
+            # or a row's room in its cache row
+            if group and (padded_len * (len(group) + 1) > self.prefill_tokens
+                          or max(held, cached) + padded_len > self.max_len):
                 self.prefill_group(group)
-                group, held = [], 0
+                group = []
+                held = 0
             group.append(item)
-            held = max(held, n)
+            held = max(held, cached)
         self.prefill_group(group)
 
     def prefill_group(self, group):
-        n = [len(it.ids) for it in group]
-        ids = torch.tensor([it.ids + [0] * (max(n) - len(it.ids)) for it in group], device=self.device)
-        slots = torch.tensor([it.row.slot for it in group])
-        logits = self.model.forward_cached(ids, self.cache, slots, last_only=True, n_new=n)[:, -1].float()
-        self.stats["prefill_tokens"] += sum(n)
-        for it, lg in zip(group, logits):
-            for row in [it.row] + it.copies:
+        new_lens = [len(item.ids) for item in group]
+        # right-padded to the longest
+        padded_ids = torch.tensor([item.ids + [0] * (max(new_lens) - len(item.ids))
+                                   for item in group],
+                                  device=self.device)
+        slots = torch.tensor([item.row.slot for item in group])
+        logits = self.model.forward_cached(padded_ids, self.cache, slots, last_only=True,
+                                           n_new=new_lens)[:, -1].float()
+        self.stats["prefill_tokens"] += sum(new_lens)
+        for item, row_logits in zip(group, logits):
+            for row in [item.row] + item.copies:
                 # a re-admitted row's dropped tokens are now recomputed; every row of a prefill decodes next
                 # (an admitted row was waiting, a resumed one decodes already; a preempted row's Feed dropped out)
                 self.stats["recomputed_tokens"] += row.dropped
-                row.dropped, row.pending, row.logits, row.state = 0, [], lg.clone(), DECODE
-                if row is not it.row:  # shared prefill: the samples hold the prompt's pages by reference
-                    self.cache.share(it.row.slot, row.slot)
+                row.dropped = 0
+                row.pending = []
+                row.logits = row_logits.clone()
+                row.state = DECODE
+                # shared prefill: the samples hold the prompt's pages by reference
+                if row is not item.row:
+                    self.cache.share(item.row.slot, row.slot)
 
     def sample(self, rows, temperature):
         """Temperature / top-p sampling, one generator per row. Returns tokens and their log-probs
         under the temperature-scaled distribution (what the policy sampled from)."""
-        logits = torch.stack([r.logits for r in rows])  # (B, V)
-        for r in rows:
-            r.logits = None
+        logits = torch.stack([row.logits for row in rows])  # (B, V)
+        for row in rows:
+            row.logits = None
+        # greedy
         if temperature == 0:
-            tok = logits.argmax(-1)
-            return tok.tolist(), torch.log_softmax(logits, -1).gather(1, tok[:, None])[:, 0].tolist()
-        logp = torch.log_softmax(logits / temperature, -1)  # (B, V)
-        probs = logp.exp()
-        if self.top_p < 1.0:  # keep the smallest set of tokens whose mass reaches top_p
-            sp, si = probs.sort(-1, descending=True)
-            sp[(sp.cumsum(-1) - sp) >= self.top_p] = 0
-            probs = torch.zeros_like(probs).scatter_(1, si, sp)
+            tokens = logits.argmax(-1)
+            return (tokens.tolist(),
+                    torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].tolist())
+        logprobs = torch.log_softmax(logits / temperature, -1)  # (B, V)
+        probs = logprobs.exp()
+        # top-p: keep the smallest set of tokens whose mass reaches top_p
+        if self.top_p < 1.0:
+            sorted_probs, sorted_ids = probs.sort(-1, descending=True)
+            sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
+            probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs)
+        # inverse-CDF sampling: one uniform draw per row, from the row's own generator
         cdf = probs.cumsum(-1)
-        u = torch.cat([torch.rand(1, generator=r.gen, device=self.device) for r in rows])  # (B,)
-        tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)  # (B, 1)
-        return tok[:, 0].tolist(), logp.gather(1, tok)[:, 0].tolist()
+        uniform = torch.cat([torch.rand(1, generator=row.gen, device=self.device)
+                             for row in rows])  # (B,)
+        tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])  # (B, 1)
+        # a draw past the last cumulative value (rounding) takes the last token
+        tokens.clamp_(max=probs.shape[-1] - 1)
+        return tokens[:, 0].tolist(), logprobs.gather(1, tokens)[:, 0].tolist()
 
     def decode(self, rows):
         """One decode step: the pending token of every row goes through the model together."""
-        ids = torch.tensor([r.pending for r in rows], device=self.device)  # (B, 1)
-        logits = self.model.forward_cached(ids, self.cache, torch.tensor([r.slot for r in rows]))[:, -1].float()
-        for r, lg in zip(rows, logits):  # (B, V)
-            r.pending, r.logits = [], lg
+        pending_ids = torch.tensor([row.pending for row in rows], device=self.device)  # (B, 1)
+        slots = torch.tensor([row.slot for row in rows])
+        logits = self.model.forward_cached(pending_ids, self.cache, slots)[:, -1].float()  # (B, V)
+        for row, row_logits in zip(rows, logits):
+            row.pending = []
+            row.logits = row_logits
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(rows)
-        self.log("decode", rows[0], rows=[r.req.key for r in rows])
+        self.log("decode", rows[0], rows=[row.req.key for row in rows])
 
     # ---------------------------------------------------------------------------------------------
     # the agent loop: a sampled token, the end of a turn, tool calls, parking and resuming
 
-    def step_row(self, row, tok, lp, tools):
+    def step_row(self, row, token, logprob, tools):
         """Append one sampled token to the row's trajectory; end its turn on a stop token, or the row
         on its budget."""
-        t = row.traj
-        t.response_ids.append(tok)
-        t.mask.append(1)
-        t.logprobs.append(lp)
+        traj = row.traj
+        traj.response_ids.append(token)
+        traj.mask.append(1)
+        traj.logprobs.append(logprob)
         # the token is the next input; after the whole context when the row was preempted since its
         # logits were computed
-        row.pending.append(tok)
+        row.pending.append(token)
         # the assistant turn is over
-        if tok in self.stop_ids:
-            t.turns += 1
+        if token in self.stop_ids:
+            traj.turns += 1
             self.end_turn(row, tools)
-        elif len(t.response_ids) >= row.budget:
-            t.finish = "length"
+        # the response budget is spent
+        elif len(traj.response_ids) >= row.budget:
+            traj.finish = "length"
 
     def end_turn(self, row, tools):
         """Parse the finished turn: no tool call ends the trajectory (so does the turn limit); else the
         row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
-        t = row.traj
-        table = self.tool_table if row.req.tools is None else row.req.tools  # the row's task's tools
+        traj = row.traj
+        # the row's task's tools
+        table = self.tool_table if row.req.tools is None else row.req.tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
         # Plain completions (generate, use_tools=False) decode and parse nothing: a turn is the whole answer
         calls = [] if tools is None else agent.parse_tool_calls(
-            self.tok.decode(t.response_ids[row.turn_start:]), self.max_calls, table)
+            self.tok.decode(traj.response_ids[row.turn_start:]), self.max_calls, table)
         if not calls:
-            t.finish = "stop"
-        elif t.turns >= self.max_turns:
-            t.finish = "max_turns"
+            traj.finish = "stop"
+        elif traj.turns >= self.max_turns:
+            traj.finish = "max_turns"
         else:
             # park the row (its KV stays) and dispatch each call to its tool by name; the tools answer on their
             # own threads. A malformed call is answered with the error text, never dropped: no future. Each call
             # starts here, once: a preempted row is re-admitted with its answers, never with its calls again
             row.state = TOOLS
-            row.calls = [agent.start_call(c, table, tools, t.environment) for c in calls]
+            row.calls = [agent.start_call(call, table, tools, traj.environment) for call in calls]
             row.deadline = time.monotonic() + self.call_timeout
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):
         """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
         is in the KV. Nothing when they do not fit its budget."""
-        t = row.traj
+        traj = row.traj
         # every call's record gets its answer: status, duration and the text the model will read; a call still
         # unanswered at the deadline is answered "timeout" (its late answer, if any, is never read)
         late = types.SimpleNamespace(status="timeout", stdout="", stderr="", value="",
                                      duration=self.call_timeout)
-        for rec, fut in row.calls:
-            if fut is not None:
-                res = fut.result() if fut.done() else late
-                rec.update(status=res.status, duration=res.duration,
-                           output=agent.tool_response_text(res, self.tool_max_chars))
-            t.tool_calls.append(rec)
+        for record, future in row.calls:
+            if future is not None:
+                result = future.result() if future.done() else late
+                record.update(status=result.status, duration=result.duration,
+                              output=agent.tool_response_text(result, self.tool_max_chars))
+            traj.tool_calls.append(record)
         # the tool turn in the release's format, then `<|im_start|>assistant\n<reason>` for the next turn
-        suffix = agent.tool_suffix_ids(self.tok, [rec["output"] for rec, _ in row.calls])
+        suffix = agent.tool_suffix_ids(self.tok, [record["output"] for record, _ in row.calls])
         row.calls = []
         self.log("tool_done", row)
         # stop before appending: a trajectory always ends on a model turn
-        if len(t.response_ids) + len(suffix) >= row.budget:
-            t.finish = "length"
+        if len(traj.response_ids) + len(suffix) >= row.budget:
+            traj.finish = "length"
             return []
         # the answers and the next turn's opening are context, not samples: mask 0
-        t.response_ids += suffix
-        t.mask += [0] * len(suffix)
-        t.logprobs += [0.0] * len(suffix)
+        traj.response_ids += suffix
+        traj.mask += [0] * len(suffix)
+        traj.logprobs += [0.0] * len(suffix)
         # the next turn's text, for parse_tool_calls, starts here
-        row.turn_start = len(t.response_ids)
+        row.turn_start = len(traj.response_ids)
         # the last sampled token (the turn's <|im_end|>) is still pending: it goes in with the answers
         row.pending += suffix
         # preempted while parked: it waits to be re-admitted, answers included
@@ -574,7 +665,8 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
         rows = kv_capacity // max_len
     elif p.is_cuda:  # K and V for every layer, in the model's dtype
         cfg = model.cfg
-        per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+        per_token = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+                     * p.element_size())
         rows = int(fraction * torch.cuda.mem_get_info(p.device)[0]) // (per_token * max_len)
     else:
         rows = 256
@@ -584,5 +676,6 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
 def iter_claim(reqs):
     """A claim function over a local sequence of requests (single process), taken in order; a sequence that
     makes its items on demand (scheduler.Lazy) makes each only when claimed."""
-    remaining = iter(reqs)  # a sequence iterates by index: scheduler.Lazy makes item i when it is reached
+    # a sequence iterates by index: scheduler.Lazy makes item i when it is reached
+    remaining = iter(reqs)
     return lambda n: list(itertools.islice(remaining, n))

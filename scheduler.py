@@ -44,9 +44,12 @@ def make_claim(requests, mode, counter):
     every rank passes the same name, and no two generations of one process group share one (f"rl/{step}")."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return iter_claim(requests)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if mode == "static":  # (a Lazy view: the requests are still made only when claimed)
-        return iter_claim(Lazy(len(range(rank, len(requests), world)), lambda j: requests[rank + j * world]))
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    if mode == "static":
+        # a Lazy view: the requests are still made only when claimed
+        return iter_claim(Lazy(len(range(rank, len(requests), world)),
+                               lambda j: requests[rank + j * world]))
     assert mode == "dynamic", f"unknown rollout_split {mode!r} (dynamic | static)"
     store = dist.distributed_c10d._get_default_store()
     counter = f"rollout_claim/{counter}"
@@ -64,7 +67,8 @@ class Lazy:
     claims, so memory does not grow with the data file."""
 
     def __init__(self, n, make):
-        self.n, self.make = n, make
+        self.n = n
+        self.make = make
 
     def __len__(self):
         return self.n
@@ -96,7 +100,8 @@ class Summary:
     finish: str
     calls: list  # one status per tool call (agent.TOOL_ERRORS are the failures)
     call_tools: list  # the tool each call named ("" when it did not parse or named no known tool)
-    call_faults: list  # per call: "unparsed", "unknown_tool", "repeat" (the previous call again), or ""
+    # per call: "unparsed", "unknown_tool", "repeat" (the previous call again), or ""
+    call_faults: list
     n_prompt: int
     n_response: int  # tokens after the prompt, tool responses included
     n_sampled: int  # tokens the policy sampled (mask 1)
@@ -114,8 +119,10 @@ class Summary:
 def summarize(t, grade):
     """The Summary of trajectory t, graded `grade` (a dict from grading.Grader.grade)."""
     return Summary(t.key, t.meta["problem"], t.meta.get("answer"), t.turns, t.finish,
-                   [c["status"] for c in t.tool_calls], [c.get("tool", "") for c in t.tool_calls],
-                   agent.call_faults(t.tool_calls), len(t.prompt_ids), len(t.response_ids), sum(t.mask),
+                   [c["status"] for c in t.tool_calls],
+                   [c.get("tool", "") for c in t.tool_calls],
+                   agent.call_faults(t.tool_calls),
+                   len(t.prompt_ids), len(t.response_ids), sum(t.mask),
                    grade["reward"], grade["correct"], grade["n_answers"], grade["pred"])
 
 
@@ -132,13 +139,18 @@ def rollout_metrics(summaries, tool_names=()):
         "rollout/response_len": sum(traj.n_response for traj in summaries) / count,
         "rollout/truncated_frac": sum(traj.finish == "length" for traj in summaries) / count,
         "rollout/turns": sum(traj.turns for traj in summaries) / count,
-        "tool/calls": len(calls) / count, "tool/err": error_share(calls),
-        "tool/err_pos": error_share([status for traj in summaries if traj.correct for status in traj.calls]),
-        **{f"tool/{fault}": faults.count(fault) / max(1, len(faults)) for fault in ("unparsed", "unknown_tool", "repeat")},
+        "tool/calls": len(calls) / count,
+        "tool/err": error_share(calls),
+        "tool/err_pos": error_share([status for traj in summaries if traj.correct
+                                     for status in traj.calls]),
+        **{f"tool/{fault}": faults.count(fault) / max(1, len(faults))
+           for fault in ("unparsed", "unknown_tool", "repeat")},
     }
     for name in tool_names:
-        statuses = [status for traj in summaries for status, tool in zip(traj.calls, traj.call_tools) if tool == name]
-        metrics[f"tool/calls/{name}"], metrics[f"tool/err/{name}"] = len(statuses) / count, error_share(statuses)
+        statuses = [status for traj in summaries
+                    for status, tool in zip(traj.calls, traj.call_tools) if tool == name]
+        metrics[f"tool/calls/{name}"] = len(statuses) / count
+        metrics[f"tool/err/{name}"] = error_share(statuses)
     return metrics
 
 
@@ -166,7 +178,8 @@ def gather(obj):
 def gather_summaries(trajs, grades):
     """The Summary of every trajectory of every rank, ordered by key, on every rank (grades: {key: grade} of
     this rank's trajectories)."""
-    return sorted((s for part in gather([summarize(t, grades[t.key]) for t in trajs]) for s in part),
+    return sorted((s for part in gather([summarize(t, grades[t.key]) for t in trajs])
+                   for s in part),
                   key=lambda s: s.key)
 
 
@@ -176,7 +189,8 @@ class Tokens(NamedTuple):
     prompt_ids: np.ndarray  # int32
     response_ids: np.ndarray  # int32: everything after the prompt, tool responses included
     mask: np.ndarray  # uint8: 1 on the tokens the policy sampled (the loss reads these only)
-    logprobs: np.ndarray  # float32: the engine's log-prob of each response token (0 where mask is 0)
+    # float32: the engine's log-prob of each response token (0 where mask is 0)
+    logprobs: np.ndarray
 
 
 def compact(t):
@@ -200,7 +214,8 @@ def exchange(trajs, dest):
     recv_sizes = torch.empty_like(sizes)
     dist.all_to_all_single(recv_sizes, sizes, group=cpu_group())
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, torch.from_numpy(np.concatenate(send)), recv_sizes.tolist(), sizes.tolist(),
+    dist.all_to_all_single(recv, torch.from_numpy(np.concatenate(send)),
+                           recv_sizes.tolist(), sizes.tolist(),
                            group=cpu_group())
     # the received bytes are every rank's pickled list, one after the other
     parts = np.split(recv.numpy(), np.cumsum(recv_sizes.numpy())[:-1])
@@ -215,11 +230,24 @@ def dump_line(traj, summary, tokenizer, question, prompt, **step_keys):
     trajectories.jsonl (view.py reads both). The response in runs of one mask value, the tool calls, the grade
     and RoC's decisions (None / false in eval); step_keys: training's step and group_kind."""
     return json.dumps({
-        **step_keys, "group": traj.key[1], "sample": traj.key[2], "question": question, "answer": summary.answer,
-        "prompt": prompt, "segments": agent.mask_runs(tokenizer, traj.response_ids, traj.mask),
-        "response_ids": traj.response_ids, "mask": traj.mask, "tool_calls": traj.tool_calls, "finish": summary.finish,
-        "turns": summary.turns, "reward": summary.reward, "correct": summary.correct, "pred": summary.pred,
-        "penalty": summary.penalty, "advantage": summary.advantage, "kept": summary.kept}, ensure_ascii=False) + "\n"
+        **step_keys,
+        "group": traj.key[1],
+        "sample": traj.key[2],
+        "question": question,
+        "answer": summary.answer,
+        "prompt": prompt,
+        "segments": agent.mask_runs(tokenizer, traj.response_ids, traj.mask),
+        "response_ids": traj.response_ids,
+        "mask": traj.mask,
+        "tool_calls": traj.tool_calls,
+        "finish": summary.finish,
+        "turns": summary.turns,
+        "reward": summary.reward,
+        "correct": summary.correct,
+        "pred": summary.pred,
+        "penalty": summary.penalty,
+        "advantage": summary.advantage,
+        "kept": summary.kept}, ensure_ascii=False) + "\n"
 
 
 def join_parts(path, world):
