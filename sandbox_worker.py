@@ -85,14 +85,14 @@ def _libc():
 
 
 def _check(result, what):
-    if result != 0:
+    if result < 0:  # (libc's -1, with errno set)
         raise OSError(ctypes.get_errno(), f"{what} failed")
 
 
 def main(cfg):
     # the pool speaks JSON lines over our stdin/stdout; move them aside so nothing else writes there
     req = os.fdopen(os.dup(0), "rb")
-    rep = os.fdopen(os.dup(1), "wb")
+    rep = os.fdopen(os.dup(1), "w", buffering=1)  # a reply a line, sent at its newline
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
@@ -112,13 +112,11 @@ def main(cfg):
                 raise RuntimeError(f"a call (uid {cfg['uid']}) cannot start or read the Python installation: "
                                    + lines[-1 if lines[0].startswith("Traceback") else 0])
     except Exception as e:
-        rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
-        rep.flush()
+        rep.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         os._exit(1)
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
     vm = _vmsize()
-    rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
-    rep.flush()
+    rep.write(json.dumps({"ready": True}) + "\n")
     os.dup2(null, 2)
     # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
     for line in req:
@@ -126,8 +124,7 @@ def main(cfg):
         r = json.loads(line)
         # run it from nothing in a forked child (_call), then answer with its Result's fields
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
-        rep.write((json.dumps(out) + "\n").encode())
-        rep.flush()
+        rep.write(json.dumps(out) + "\n")
     if cfg["mode"] == "none":
         shutil.rmtree(os.path.dirname(cfg["tmp"]), ignore_errors=True)  # on the host's /tmp
 
@@ -143,8 +140,6 @@ def _prepare_calls(cfg, libc):
     else:
         cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
         cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
-    # where the pool made no cgroup, an eventfd of our own that nothing signals (the calls never hit a cgroup's cap)
-    cfg["oom_event"] = cfg["oom_event"] or os.eventfd(0, os.EFD_NONBLOCK)
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
@@ -153,7 +148,7 @@ def _prepare_calls(cfg, libc):
     # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
     # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
     # stderr by lines
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", 1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.argv = ["<string>"]
@@ -165,21 +160,17 @@ def _vmsize():
 
 
 def _isolation_problems(cfg):
+    """What shows that bwrap did not isolate the worker as asked: each a sentence (none with isolation "none")."""
     if cfg["mode"] == "none":
         return []
-    problems = []
     extra = set(os.listdir("/")) - {op[-1].split("/")[1] for op in cfg["view"]} - {"proc", "tmp"}
-    if extra:
-        problems.append(f"the root holds more than the view: {sorted(extra)[:5]}")
-    if os.getpid() != 1:
-        problems.append("the worker is not the init of its own pid namespace")
-    if os.access("/", os.W_OK) or os.access(os.path.abspath(__file__), os.W_OK) or os.access("/tmp", os.W_OK):
-        problems.append("the host filesystem is writable")
     with open("/proc/net/dev") as f:
         ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
-    if ifaces:
-        problems.append(f"network interfaces are visible: {sorted(ifaces)}")
-    return problems
+    checks = {f"the root holds more than the view: {sorted(extra)[:5]}": extra,
+              "the worker is not the init of its own pid namespace": os.getpid() != 1,
+              "the host filesystem is writable": any(os.access(p, os.W_OK) for p in ("/", "/tmp", __file__)),
+              f"network interfaces are visible: {sorted(ifaces)}": ifaces}
+    return [problem for problem, found in checks.items() if found]
 
 
 def _warm(rich):
@@ -217,8 +208,8 @@ def _warm(rich):
                 # its whole 2 MiB pages, if it holds any, collapsed into huge pages
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
-                if hi > lo:
-                    libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
+                # (none: the length is 0 or wraps below 0, and the kernel refuses it, EINVAL)
+                libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
 
 
 def _call(code, stdin, timeout, cfg, vm, libc):
@@ -234,8 +225,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
             os.chown(tmp, cfg["uid"], cfg["uid"])
     # 2) its stdin (a memfd, written whole) and pipes for its stdout, stderr and last word (fd 3)
     stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, stdin.encode(errors="replace"))
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)  # (its offset stays at 0, where the child reads)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
@@ -283,8 +273,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
         status = "memory"
     else:
         status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
-    cap = cfg["output_cap"]
-    notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cap})"
+    notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cfg['output_cap']})"
              for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
     stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
     return {"status": status, "stdout": outputs[0], "stderr": stderr, "value": value if has_value else "",
@@ -298,22 +287,25 @@ def _start_init(libc):
     _check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     top = (ctypes.addressof(INIT_STACK) + len(INIT_STACK)) & ~15
     init = libc.clone(ctypes.cast(libc.pause, ctypes.c_void_p), top, CLONE_VM | signal.SIGCHLD, None)
-    if init < 0:
-        raise OSError(ctypes.get_errno(), "clone of the call's init failed")
+    _check(init, "clone of the call's init")
     return init
 
 
 def _went_past_cap(cfg):
-    """Whether the kernel signalled out of memory in the call's cgroup since this was last asked (the eventfd the pool
-    registered for memory.oom_control; reading it resets it)."""
-    try:
+    """Whether the kernel killed a process of the call's cgroup for memory since this was last asked: on cgroup v1
+    the pool's eventfd for memory.oom_control was signalled (reading it resets it); on v2 the oom_kill count in
+    memory.events (cfg's memory_events: an fd of it) grew. Without a cgroup nothing signals the eventfd."""
+    if cfg.get("memory_events"):  # (an fd the pool passed: 3 or more)
+        kills = cfg.get("oom_kills", 0)
+        cfg["oom_kills"] = int(os.pread(cfg["memory_events"], 4096, 0).split(b"oom_kill ")[1].split()[0])
+        return cfg["oom_kills"] > kills
+    with contextlib.suppress(BlockingIOError):  # (nothing signalled)
         return bool(os.read(cfg["oom_event"], 8))
-    except BlockingIOError:  # nothing signalled
-        return False
+    return False
 
 
 def _collect(pid, fds, deadline, cfg):
-    """Read the call's pipes until it exits, its cgroup runs out of memory (cfg's oom_event is readable) or
+    """Read the call's pipes until it exits, its v1 cgroup runs out of memory (cfg's oom_event is readable) or
     `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out). The control pipe (the last)
     keeps 4 KiB more than the cap: the value comes through it."""
     bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
@@ -337,7 +329,7 @@ def _collect(pid, fds, deadline, cfg):
             # keep what fits under the cap, count the rest as dropped
             keep = max(0, cfg["output_cap"] + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
-            dropped[fd] += len(chunk) - len(chunk[:keep])
+            dropped[fd] += len(chunk[keep:])
 
     timed_out, exited = False, False
     while not exited and not timed_out:
@@ -373,11 +365,11 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
         # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
-        cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
         # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
-        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
+        # CPU: the wall deadline normally fires first; this is the backstop
+        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_FSIZE, cfg["memory"]),
+                       (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
         # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
@@ -509,7 +501,7 @@ def _release_words(e, code, offset=0):
     line of `code` (a trailing expression's error after other code, a library's line 900): "ErrType:
     message"."""
     frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]  # outermost frame first
-    n = e.lineno if hasattr(e, "lineno") else (frame_lines[-1] if frame_lines else -1)
+    n = getattr(e, "lineno", frame_lines[-1] if frame_lines else -1)
     name, lines = type(e).__name__, code.splitlines()
     if isinstance(n, int) and n != -1 and 0 <= n + offset - 1 < len(lines):
         return f"{name} at line {n + offset}: {e}\n  {lines[n + offset - 1]}"
@@ -520,10 +512,9 @@ def _deadline(signum, frame):
     """A call's own alarm, due at its deadline (a moment before the worker would kill it): flush what the
     code printed and end the call, as the release's alarm handler does (it prints "Suicide from timeout."
     with flush=True, which the tool response adds). The worker reads the call's status from fd 3."""
-    try:
+    # (it fails e.g. when the code was inside a write to stdout: what is in the buffer is then lost)
+    with contextlib.suppress(BaseException):
         sys.stdout.flush()
-    except BaseException:  # e.g. the code was inside a write to stdout: what is in the buffer is lost
-        pass
     try:
         os.write(3, b"\0timeout")
     finally:
