@@ -157,7 +157,8 @@ import sandbox_worker
 
 STATUSES = ("ok", "error", "timeout", "memory", "crash", "overloaded")
 ISOLATIONS = ("auto", "bwrap", "none")
-GRACE = 2.0        # seconds past a call's timeout before its worker counts as wedged and is replaced
+# seconds past a call's timeout before its worker counts as wedged and is replaced
+GRACE = 2.0
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
 # worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces, drop it
 # to the slot's uid and pin its oom_score_adj (CAP_SYS_RESOURCE); the child itself keeps none of them
@@ -183,15 +184,18 @@ DENIED = (
     "settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt open_by_handle_at name_to_handle_at "
     "lookup_dcookie uselib vhangup nfsservctl"
 ).split()
-FIRST_UID, UID_BLOCK = 2_000_000_000, 1024  # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
-WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandbox (the view lists it)
+# slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
+FIRST_UID, UID_BLOCK = 2_000_000_000, 1024
+# bound alone into the sandbox (the view lists it)
+WORKER = os.path.realpath(sandbox_worker.__file__)
 
 
 @dataclasses.dataclass
 class Result:
     status: str      # one of STATUSES
     stdout: str
-    stderr: str      # the error in the harness's words, or a "[sandbox] ..." line saying why the call stopped
+    # the error in the harness's words, or a "[sandbox] ..." line saying why the call stopped
+    stderr: str
     value: str       # repr of a trailing expression (printed last by the harness), else ""
     duration: float  # seconds the call ran (for overloaded: seconds it waited)
 
@@ -221,7 +225,8 @@ class SandboxPool:
         self.mode = "none" if isolation == "none" else "bwrap"  # the isolation in use
         self.uids = [None] * workers  # each slot's uid (as root), claimed at start()
         self._cond = threading.Condition()
-        self._queue = collections.deque()  # calls: (t_submit, request line, future, timeout, needs rich)
+        # calls: (t_submit, request line, future, timeout, needs rich)
+        self._queue = collections.deque()
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
         self._view, self._uid_lock, self._cgroups = (), None, []
@@ -267,7 +272,8 @@ class SandboxPool:
         with self._cond:
             while self._queue:
                 self._answer(self._queue.popleft(), "crash", "[sandbox] the pool shut down before this call ran")
-        for path in self._cgroups:  # empty once the last killed worker is gone (a moment after bwrap)
+        # empty once the last killed worker is gone (a moment after bwrap)
+        for path in self._cgroups:
             for _ in range(200):
                 with contextlib.suppress(OSError):
                     os.rmdir(path)
@@ -354,7 +360,8 @@ class SandboxPool:
                         _stop(proc, kill=True)  # (a no-op on one stopped already)
                         procs[rich] = self._spawn(slot, rich)
             except Exception as e:
-                if not self._ready[slot].is_set():  # at start: the pool refuses to start, saying why
+                # at start: the pool refuses to start, saying why
+                if not self._ready[slot].is_set():
                     self._errors[slot] = e
                     break
                 # could not restart: back off; queued calls go to other slots, or, when none can take them, are
@@ -371,12 +378,14 @@ class SandboxPool:
                 break
             _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
-            with contextlib.suppress(OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
+            # a broken pipe (it died) or a garbled reply
+            with contextlib.suppress(OSError, ValueError, TypeError):
                 write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
                 reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            if result is None:  # died, or no answer in time: answer the call, stop the worker (replaced above)
+            # died, or no answer in time: answer the call, stop the worker (replaced above)
+            if result is None:
                 _stop(proc, kill=True)
                 result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
                                 time.monotonic() - start)
@@ -403,7 +412,8 @@ class SandboxPool:
                 own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
             name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
             cgroup = _new_cgroup("/sys/fs/cgroup", own, name, self.memory + CGROUP_SLACK, self._cgroups)
-        except (OSError, KeyError) as e:  # e.g. no v1 memory or pids hierarchy, or not writable here
+        except (OSError, KeyError) as e:
+            # e.g. no v1 memory or pids hierarchy, or not writable here
             self._no_cgroup = f"{type(e).__name__}: {e}"
             cgroup = []
         cfg["cgroups"] = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in cgroup]
@@ -453,7 +463,8 @@ def _new_cgroup(root, own, name, memory, made):
     hierarchy per controller; "" -> "/a" on v2, one for all), `root` is where they are mounted (/sys/fs/cgroup; a
     tmp dir in the tests' fake trees). Raises OSError or KeyError, naming what is missing or refused."""
     if "memory" in own:  # v1 (on a hybrid host v2 then has no memory controller)
-        dirs = [f"{root}/{c}{own[c]}/{name}" for c in ("memory", "pids")]  # (a "//" is as good as a "/")
+        # (a "//" is as good as a "/")
+        dirs = [f"{root}/{c}{own[c]}/{name}" for c in ("memory", "pids")]
         limits = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory}
     else:  # v2, on `root` itself or, on a hybrid host, on its unified/
         unified = root if os.path.exists(f"{root}/cgroup.controllers") else f"{root}/unified"
@@ -494,7 +505,8 @@ def _claim_uids(workers):
     process uses: (the fd of its lock, first uid). Each pool holds a lock (flock) on a file named after its block
     in /run while it lives: only root may make files there, so no other user can hold a block's name and stop a
     pool from starting (an abstract socket's name could be taken by anyone)."""
-    in_use = {account.pw_uid for account in pwd.getpwall()}  # the host's accounts, then its processes' uids
+    # the host's accounts, then its processes' uids
+    in_use = {account.pw_uid for account in pwd.getpwall()}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:  # (OSError: it exited)
             in_use.update(int(u) for line in f if line.startswith("Uid:") for u in line.split()[1:])
@@ -634,7 +646,8 @@ def _stop(proc, kill):
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
     if proc.poll() is None:  # (killed, or it did not exit in time)
-        proc.kill()  # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
+        # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
+        proc.kill()
         proc.wait()
     proc.stdout.close()
 

@@ -61,11 +61,14 @@ import types
 
 NPROC = 64         # processes + threads a call may have (its cgroup's pids.max, else RLIMIT_NPROC)
 NOFILE = 256       # open files per call process
-LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
-#                    flush what it printed and end it, before it kills the call itself
-CALL_DIR = "/tmp/call"  # each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
+# seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to flush what it printed
+# and end it, before it kills the call itself
+LAST_WORDS = 0.25
+# each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
+CALL_DIR = "/tmp/call"
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
-INIT_STACK = ctypes.create_string_buffer(1 << 16)  # the stack of each call's init, which only ever calls pause()
+# the stack of each call's init, which only ever calls pause()
+INIT_STACK = ctypes.create_string_buffer(1 << 16)
 
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
@@ -104,17 +107,20 @@ def main(cfg):
             raise RuntimeError("the sandbox is not isolated: " + "; ".join(problems))
         _prepare_calls(cfg, libc)
         _warm(cfg["rich"])
-        if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
+        # the call's uid must be able to import what the worker did not preload
+        if cfg["mode"] != "none":
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
                            cfg, _vmsize(), libc)
-            if canary["status"] != "ok":  # the first line of the harness's report, or the last of a traceback
+            # the first line of the harness's report, or the last of a traceback
+            if canary["status"] != "ok":
                 lines = canary["stderr"].strip().splitlines() or [canary["status"]]
                 raise RuntimeError(f"a call (uid {cfg['uid']}) cannot start or read the Python installation: "
                                    + lines[-1 if lines[0].startswith("Traceback") else 0])
     except Exception as e:
         rep.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         os._exit(1)
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
+    # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
+    libc.prctl(4, 0, 0, 0, 0)
     vm = _vmsize()
     rep.write(json.dumps({"ready": True}) + "\n")
     os.dup2(null, 2)
@@ -142,9 +148,11 @@ def _prepare_calls(cfg, libc):
         cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
+    # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
+    libc.prctl(38, 1, 0, 0, 0)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (and so each call's init has no handler at all)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
+    # a too-big file gets EFBIG (an error), not a kill
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
     # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
     # stderr by lines
@@ -179,10 +187,13 @@ def _warm(rich):
     for name in PRELOAD + (RICH if rich else ()):
         try:
             importlib.import_module(name)
-        except ImportError as e:  # e.g. a library the view lacks: the pool refuses to start, saying which
-            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # numpy's message ends with the cause
+        except ImportError as e:
+            # e.g. a library the view lacks: the pool refuses to start, saying which (numpy's message ends with the
+            # cause)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise RuntimeError(f"cannot import {name} in the sandbox: {why}") from None
-    if "sympy" in sys.modules:  # run the common paths once so lazy imports and caches fill here, not per call
+    # run the common paths once so lazy imports and caches fill here, not per call
+    if "sympy" in sys.modules:
         import sympy as sp
         x = sp.Symbol("x")
         sp.factor(x**4 - 1), sp.expand((x + 1)**5), sp.solve(x**2 - 2, x), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
@@ -194,7 +205,8 @@ def _warm(rich):
         import numpy as np
         np.linalg.solve(np.eye(3), np.ones(3)), np.arange(10).sum(), np.sqrt(np.array([4.0]))
     gc.collect()
-    gc.freeze()  # keep the collector from touching (and so copying) the parent's pages in every child
+    # keep the collector from touching (and so copying) the parent's pages in every child
+    gc.freeze()
     # back the warm heap with huge pages where the kernel can (MADV_COLLAPSE, Linux >= 6.1; elsewhere a
     # no-op): fork then copies one page-table entry per 2 MiB instead of 512, and fork is most of a call
     # (trivial calls took ~40% less time on a 2-core VM)
@@ -204,7 +216,8 @@ def _warm(rich):
         # one mapping a line: keep the writable anonymous ones and the heap
         for line in f:
             fields = line.split()
-            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
+            # (anonymous)
+            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):
                 # its whole 2 MiB pages, if it holds any, collapsed into huge pages
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
@@ -217,7 +230,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     isolated, tmp = cfg["mode"] != "none", cfg["tmp"]
     # 1) an empty directory of its own: with bwrap a fresh tmpfs, whose size is all the file space it gets
     if isolated:
-        _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", ctypes.c_ulong(2 | 4),  # MS_NOSUID | MS_NODEV
+        # MS_NOSUID | MS_NODEV
+        _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", ctypes.c_ulong(2 | 4),
                           f"size={cfg['memory']},mode=700,uid={cfg['uid']},gid={cfg['uid']}".encode()), "mount")
     else:
         os.mkdir(tmp, 0o700)
@@ -225,18 +239,22 @@ def _call(code, stdin, timeout, cfg, vm, libc):
             os.chown(tmp, cfg["uid"], cfg["uid"])
     # 2) its stdin (a memfd, written whole) and pipes for its stdout, stderr and last word (fd 3)
     stdin_fd = os.memfd_create("stdin")
-    os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)  # (its offset stays at 0, where the child reads)
+    # (its offset stays at 0, where the child reads)
+    os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init(libc) if isolated else None
-    sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
+    # the child inherits these wrappers: nothing of ours in them
+    sys.stdout.flush(), sys.stderr.flush()
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
+        # no return
+        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))
     if isolated:
-        _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")  # our next children are in our namespace again
+        # our next children are in our namespace again
+        _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
@@ -359,9 +377,12 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         # the call's own memory and pids cgroups (as root: the uid is still the worker's)
         for fd in cfg["cgroups"]:
             os.write(fd, b"0")
-        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
-            os.dup2(fd, i)  # below is reported in the call's stderr)
-        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure below is reported in the call's
+        # stderr)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        os.closerange(4, 1 << 16)
         # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
         # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
@@ -371,7 +392,8 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_FSIZE, cfg["memory"]),
                        (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NOFILE, NOFILE),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
-            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
+            # CPU: SIGXCPU, then SIGKILL
+            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))
         # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
         # holds CAP_SYS_RESOURCE, so the kernel keeps 1000 as the least the call may set; a normal user cannot)
         libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: our /proc/self files are ours to write
@@ -396,7 +418,8 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
-        signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
+        # its own deadline (only here: the worker never runs it)
+        signal.signal(signal.SIGALRM, _deadline)
         os.chdir(cfg["tmp"])
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
@@ -408,25 +431,29 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             if value is not None:
                 value = value[:cfg["output_cap"]]
             exit_code = 0
-        except SystemExit as e:  # not caught by the release's harness either: python3 exits as usual
+        except SystemExit as e:
+            # not caught by the release's harness either: python3 exits as usual
             if e.code is None or isinstance(e.code, int):
                 exit_code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
                 exit_code = 1
-        except _Reported as e:  # the harness prints its report and ends with os._exit(1): what print()
-            # left in stdout's buffer is lost (only what was flushed stays)
+        except _Reported as e:
+            # the harness prints its report and ends with os._exit(1): what print() left in stdout's buffer is lost
+            # (only what was flushed stays)
             status = "memory" if isinstance(e.error, MemoryError) else "error"
             exit_code, flush = 1, (sys.stderr,)
             try:
                 print(str(e), file=sys.stderr)
             except MemoryError:
                 os.write(2, type(e.error).__name__.encode() + b"\n")
-        except BaseException as e:  # the harness prints a traceback (then os._exit(1)); python3 does the same for
-            # a KeyboardInterrupt and the like (and then flushes stdout)
+        except BaseException as e:
+            # the harness prints a traceback (then os._exit(1)); python3 does the same for a KeyboardInterrupt and
+            # the like (and then flushes stdout)
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
             flush = (sys.stderr,) if isinstance(e, Exception) else flush
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame on
+            # from the code's frame on
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         signal.setitimer(signal.ITIMER_REAL, 0)
         for f in flush:
             with contextlib.suppress(BaseException):
@@ -500,7 +527,8 @@ def _release_words(e, code, offset=0):
     (which may be a library's, or a function's defined elsewhere), plus `offset`; when line N is not a
     line of `code` (a trailing expression's error after other code, a library's line 900): "ErrType:
     message"."""
-    frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]  # outermost frame first
+    # outermost frame first
+    frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]
     n = getattr(e, "lineno", frame_lines[-1] if frame_lines else -1)
     name, lines = type(e).__name__, code.splitlines()
     if isinstance(n, int) and n != -1 and 0 <= n + offset - 1 < len(lines):
@@ -524,7 +552,8 @@ def _deadline(signum, frame):
 # ------------------------------------------------------------------------------------------------
 # the view: what a call can see (computed by the pool, on the host; see the module docstring)
 
-RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")  # the paper's tool environment, plus what they require
+# the paper's tool environment, plus what they require
+RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
 DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
@@ -573,7 +602,8 @@ def view(dists=RICH_DISTS):
             continue
         # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
-            where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
+            # under the real site-packages: the one the worker's sys.path holds
+            where = str(dist.locate_file(top))
             need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
         # its shared objects (for ldd below) and its requirements (to visit next)
         sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
@@ -593,7 +623,8 @@ def view(dists=RICH_DISTS):
         lib = line.split("=>")[-1].split("(")[0].strip()
         if line.startswith("\t") and lib.startswith("/"):
             need(lib)
-    for path in [*filter(os.path.exists, ETC), *DEVICES, os.path.realpath(__file__)]:  # ETC: where the host has them
+    # ETC: where the host has them
+    for path in [*filter(os.path.exists, ETC), *DEVICES, os.path.realpath(__file__)]:
         need(path)
     if missing:
         raise RuntimeError("sandbox: refusing to start: the tool's view lacks " + ", ".join(missing))
