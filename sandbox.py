@@ -423,7 +423,7 @@ class SandboxPool:
             cfg["memory_events"] = fds[-1]
         elif cgroup:
             with open(f"{cgroup[0]}/memory.oom_control") as oom:
-                pathlib.Path(cgroup[0], "cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
+                pathlib.Path(f"{cgroup[0]}/cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
         # the syscall filter: bwrap reads it from a memfd and loads it for the worker, and so for its calls
         if wrapper and self._seccomp:
             fds.append(os.memfd_create("seccomp"))
@@ -492,11 +492,11 @@ def _new_cgroup(root, own, name, memory, made):
     for d in dirs:
         os.mkdir(d)
         made.append(d)
-    pathlib.Path(dirs[-1], "pids.max").write_text(str(sandbox_worker.NPROC))
+    pathlib.Path(f"{dirs[-1]}/pids.max").write_text(str(sandbox_worker.NPROC))
     for file, value in limits.items():
         # swap (v1's memsw: memory and swap together; v2's swap alone) only where the kernel counts it
         if "sw" not in file or os.path.exists(f"{dirs[0]}/{file}"):
-            pathlib.Path(dirs[0], file).write_text(str(value))
+            pathlib.Path(f"{dirs[0]}/{file}").write_text(str(value))
     return dirs
 
 

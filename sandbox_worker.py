@@ -586,7 +586,7 @@ def view(dists=RICH_DISTS):
     stdlib, dynload = sysconfig.get_path("stdlib"), sysconfig.get_config_var("DESTSHARED")
     need(stdlib)
     need(dynload)
-    masks = [p for p in [os.path.join(stdlib, "site-packages")] if os.path.isdir(p)]
+    masks = [p for p in [f"{stdlib}/site-packages"] if os.path.isdir(p)]
     # 2) the distributions and their requirements (extras aside): the top-level entries of their RECORD
     todo, seen, sos = list(dists), set(), [os.path.realpath(python())]
     while todo:
@@ -611,7 +611,7 @@ def view(dists=RICH_DISTS):
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
     # 3) the shared libraries all of these link, as the loader finds them (one ldd over every file: ~1 s)
     if os.path.isdir(dynload):
-        sos += [os.path.join(dynload, n) for n in os.listdir(dynload) if ".so" in n]
+        sos += [f"{dynload}/{n}" for n in os.listdir(dynload) if ".so" in n]
     try:
         out = subprocess.run(["ldd", *sos], capture_output=True, text=True,
                              env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
