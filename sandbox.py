@@ -180,9 +180,9 @@ DENIED = (
     # reading or steering another process
     "ptrace process_vm_readv process_vm_writev pidfd_getfd kcmp "
     # the machine's own: kernels, modules, clocks, swap, the kernel log, raw I/O ports, file handles
-    "kexec_load kexec_file_load init_module finit_module delete_module reboot swapon swapoff acct quotactl syslog "
-    "settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt open_by_handle_at name_to_handle_at "
-    "lookup_dcookie uselib vhangup nfsservctl"
+    "kexec_load kexec_file_load init_module finit_module delete_module reboot swapon swapoff acct "
+    "quotactl syslog settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt "
+    "open_by_handle_at name_to_handle_at lookup_dcookie uselib vhangup nfsservctl"
 ).split()
 # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
 FIRST_UID, UID_BLOCK = 2_000_000_000, 1024
@@ -244,8 +244,8 @@ class SandboxPool:
         if os.geteuid() == 0:
             self._uid_lock, first = _claim_uids(self.workers)
             self.uids = list(range(first, first + self.workers))
-        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"sandbox-{i}")
-                         for i in range(self.workers)]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True,
+                                          name=f"sandbox-{i}") for i in range(self.workers)]
         self._ready = [threading.Event() for _ in range(self.workers)]
         for thread in self._threads:
             thread.start()
@@ -256,8 +256,8 @@ class SandboxPool:
             self.close()
             raise RuntimeError(self._errors[min(self._errors)])
         if not self._cgroups:  # said once: what then holds is in the module docstring
-            print(f"sandbox: no cgroup for the calls ({self._no_cgroup}): their memory is capped per process only",
-                  file=sys.stderr)
+            print(f"sandbox: no cgroup for the calls ({self._no_cgroup}): "
+                  "their memory is capped per process only", file=sys.stderr)
         return self
 
     def close(self):
@@ -430,8 +430,8 @@ class SandboxPool:
             os.pwrite(fds[-1], self._seccomp, 0)  # (its offset stays at 0, where bwrap reads)
             wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
         argv = wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_worker_env(), pass_fds=fds)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=_worker_env(), pass_fds=fds)
         for fd in fds:
             os.close(fd)
         proc.buf = bytearray()
@@ -439,7 +439,8 @@ class SandboxPool:
             os.set_blocking(proc.stdin.fileno(), False)
             os.set_blocking(proc.stdout.fileno(), False)
             # {"ready": true}, or {"error": why}; {} when it said nothing in time
-            hello = json.loads(read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT) or "{}")
+            hello = json.loads(read_line(proc.stdout.fileno(), proc.buf,
+                                         time.monotonic() + START_TIMEOUT) or "{}")
         # it exited: its stderr says why (bwrap's own words, when bwrap refused)
         except BrokenPipeError:
             hello = {}
@@ -574,8 +575,8 @@ def _wrapper(mode, view):
     # as root, no user namespace (the worker needs real uids to drop the child to); as a normal user, a user
     # namespace, in which the worker may mount each call's tmpfs and make its namespaces
     root = os.geteuid() == 0
-    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root
-          else ["--unshare-all"])
+    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+           "--unshare-cgroup-try"] if root else ["--unshare-all"])
     caps = ROOT_CAPS if root else ("CAP_SYS_ADMIN",)
     ns += ["--cap-drop", "ALL"] + [arg for cap in caps for arg in ("--cap-add", cap)]
     # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
@@ -596,9 +597,9 @@ def _wrapper(mode, view):
 
 def _worker_env():
     # a fresh environment: nothing of the trainer's (tokens, keys, paths) reaches the workers
-    return {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
+    return {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
 
 def write_all(fd, data, deadline):

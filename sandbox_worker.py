@@ -75,8 +75,8 @@ INIT_STACK = ctypes.create_string_buffer(1 << 16)
 
 # what every worker imports before it forks its first call; the rich one adds RICH (sandbox.py's
 # docstring says why there are two)
-PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
-           "bisect", "random", "statistics", "re", "string", "json")
+PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
+           "heapq", "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy", "scipy")  # scipy's top level only (~1 MB): preloading its submodules
 # (optimize, integrate, special, linalg) doubled the rich worker's memory and so its fork time
 
@@ -174,9 +174,10 @@ def _isolation_problems(cfg):
     extra = set(os.listdir("/")) - {op[-1].split("/")[1] for op in cfg["view"]} - {"proc", "tmp"}
     with open("/proc/net/dev") as f:
         ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
+    writable = any(os.access(path, os.W_OK) for path in ("/", "/tmp", __file__))
     checks = {f"the root holds more than the view: {sorted(extra)[:5]}": extra,
               "the worker is not the init of its own pid namespace": os.getpid() != 1,
-              "the host filesystem is writable": any(os.access(p, os.W_OK) for p in ("/", "/tmp", __file__)),
+              "the host filesystem is writable": writable,
               f"network interfaces are visible: {sorted(ifaces)}": ifaces}
     return [problem for problem, found in checks.items() if found]
 
@@ -294,8 +295,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cfg['output_cap']})"
              for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
     stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
-    return {"status": status, "stdout": outputs[0], "stderr": stderr, "value": value if has_value else "",
-            "duration": duration}
+    return {"status": status, "stdout": outputs[0], "stderr": stderr,
+            "value": value if has_value else "", "duration": duration}
 
 
 def _start_init(libc):
@@ -315,7 +316,9 @@ def _went_past_cap(cfg):
     memory.events (cfg's memory_events: an fd of it) grew. Without a cgroup nothing signals the eventfd."""
     if cfg.get("memory_events"):  # (an fd the pool passed: 3 or more)
         kills = cfg.get("oom_kills", 0)
-        cfg["oom_kills"] = int(os.pread(cfg["memory_events"], 4096, 0).split(b"oom_kill ")[1].split()[0])
+        # "low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\noom_group_kill 1\n"
+        events = os.pread(cfg["memory_events"], 4096, 0)
+        cfg["oom_kills"] = int(events.split(b"oom_kill ")[1].split()[0])
         return cfg["oom_kills"] > kills
     with contextlib.suppress(BlockingIOError):  # (nothing signalled)
         return bool(os.read(cfg["oom_event"], 8))
@@ -389,9 +392,9 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
         # CPU: the wall deadline normally fires first; this is the backstop
-        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_FSIZE, cfg["memory"]),
-                       (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_NOFILE, NOFILE),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
+        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_NPROC, nproc),
+                       (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE)):
             # CPU: SIGXCPU, then SIGKILL
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))
         # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
@@ -556,8 +559,9 @@ def _deadline(signum, frame):
 RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
-DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-             "/dev/stderr": "/proc/self/fd/2",  # into the call's own /proc, as on any Linux
+# /dev/fd, /dev/stdin, ...: into the call's own /proc, as on any Linux
+DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
+             "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2",
              # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
              "/dev/shm": CALL_DIR}
 
