@@ -34,7 +34,8 @@ How a status is decided (first rule that matches):
     overloaded  the call waited more than `queue_timeout` seconds for a worker (it never ran; it is answered
                 when a worker takes it)
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
-    memory      the call went past its cgroup's cap (the kernel killed one of its processes, its worker the rest)
+    memory      the call went past its cgroup's cap (v1: the kernel killed one of its processes, its worker the
+                rest; v2: the kernel killed them all)
     timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
@@ -45,10 +46,11 @@ Knobs (keyword arguments; the training configs set them):
                    cores shared by the ranks on it, os.cpu_count() // LOCAL_WORLD_SIZE)
     timeout        wall-clock seconds per call (default 4: rStar's README starts code-judge with
                    MAX_EXECUTION_TIME=4); run() can override it
-    memory         the memory of one call, capped twice: (1) where the pool may make cgroups (root, cgroup v1
-                   memory and pids controllers), all the memory of the call's processes, files, memfds and IPC
+    memory         the memory of one call, capped twice: (1) where the pool may make cgroups (cgroup v1's memory
+                   and pids hierarchies, writable as root; or, on cgroup v2, the pool's own group where it may
+                   write it and it offers memory and pids: see _new_cgroup), all the memory of the call's processes, files, memfds and IPC
                    together, at `memory` + 64 MiB (the calls of each worker have a cgroup, which the worker is not
-                   in), past which the kernel kills a process of the call (status memory); (2) everywhere, each process's
+                   in; on v2 swap is off for it), past which the kernel kills the call (status memory); (2) everywhere, each process's
                    address space on top of the warm interpreter (~20 / ~175 MiB lean / rich), the largest file it
                    may write and the size of its tmpfs. Default 256 MiB: code-judge's MAX_MEMORY default, which rStar does not
                    override. Its limit is on a fresh python3 (+128 MiB for the interpreter) and ours on top of a
@@ -94,10 +96,10 @@ its attacks as root and as a normal user):
     call answered `crash`), stray threads and processes after the code returns (killed with the namespace,
     setsid or not);
   - the OOM killer aimed at the worker: with a cgroup, the call's is its own (the worker is not in it), so the
-    kernel's kill at the cap finds only the call's processes, and its out-of-memory event (an eventfd on cgroup
-    v1's memory.oom_control) makes the worker end the rest of the call at once; each call's processes start at
-    oom_score_adj 1000
-    (first in line when the host runs out), which as root holding CAP_SYS_RESOURCE it cannot lower;
+    kernel's kill at the cap finds only the call's processes; on cgroup v1 its out-of-memory event (an eventfd on
+    memory.oom_control) makes the worker end the rest of the call at once, on v2 the kernel kills the whole call
+    itself (memory.oom.group) and the worker counts it in memory.events; each call's processes start at
+    oom_score_adj 1000 (first in line when the host runs out), which as root holding CAP_SYS_RESOURCE it cannot lower;
   - writes to the host (nothing of it is writable), network access (empty network namespace: no
     interfaces but loopback, which is not the host's), signals, prlimit, renice or ptrace of the worker, the
     trainer or other calls (none of them has a pid in the call's namespace);
@@ -110,8 +112,9 @@ its attacks as root and as a normal user):
   - refusals in bwrap's own words (e.g. a normal user where user namespaces are closed).
 What it does not protect against:
   - kernel bugs in what the filter allows (files, sockets, memory, signals, futexes: what Python needs);
-  - where the pool cannot make cgroups (a normal user; cgroup v2, not done here; a container whose
-    /sys/fs/cgroup is read-only), which it says once at start: no cap on the whole call's memory: RLIMIT_AS is
+  - where the pool cannot make cgroups (a normal user on v1, or on v2 outside a delegated group, e.g. a systemd
+    scope with Delegate=yes; a v2 group without memory or pids to offer; a container whose /sys/fs/cgroup is
+    read-only), which it says once at start, naming why: no cap on the whole call's memory: RLIMIT_AS is
     per process, so a call may use (processes allowed) x `memory`, plus memfds and SysV segments, which count
     against no rlimit, up to the size of RAM; RLIMIT_NPROC counts a uid's processes kernel-wide, so two pools in
     separate containers that took the same uid block (or, as a normal user, every pool and host process of the
@@ -122,7 +125,9 @@ What it does not protect against:
   - with isolation="none" (the explicit opt-out, for trusted code): none of the namespace protections above
     apply (the call sees the whole host), no syscall filter, and a process that leaves its process group
     (setsid) can outlive the call.
-Needs Linux >= 5.3 (pidfd), bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
+Needs Linux >= 5.3 (pidfd; for a cgroup on v2, a kernel that checks a move into a cgroup against the credentials
+and cgroup namespace that opened cgroup.procs: 5.16, and the stable kernels since early 2022, CVE-2021-4197),
+bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
 /run (the uid claims' lock files stay there, one per block used), and, as a normal user, user namespaces open to
 unprivileged processes (bwrap makes one; where a policy forbids it, e.g. Ubuntu 24.04's
 kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start in bwrap's own words).
@@ -152,7 +157,8 @@ import sandbox_worker
 
 STATUSES = ("ok", "error", "timeout", "memory", "crash", "overloaded")
 ISOLATIONS = ("auto", "bwrap", "none")
-GRACE = 2.0        # seconds past a call's timeout before its worker counts as wedged and is replaced
+# seconds past a call's timeout before its worker counts as wedged and is replaced
+GRACE = 2.0
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
 # worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces, drop it
 # to the slot's uid and pin its oom_score_adj (CAP_SYS_RESOURCE); the child itself keeps none of them
@@ -174,19 +180,22 @@ DENIED = (
     # reading or steering another process
     "ptrace process_vm_readv process_vm_writev pidfd_getfd kcmp "
     # the machine's own: kernels, modules, clocks, swap, the kernel log, raw I/O ports, file handles
-    "kexec_load kexec_file_load init_module finit_module delete_module reboot swapon swapoff acct quotactl syslog "
-    "settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt open_by_handle_at name_to_handle_at "
-    "lookup_dcookie uselib vhangup nfsservctl"
+    "kexec_load kexec_file_load init_module finit_module delete_module reboot swapon swapoff acct "
+    "quotactl syslog settimeofday clock_settime clock_adjtime adjtimex iopl ioperm modify_ldt "
+    "open_by_handle_at name_to_handle_at lookup_dcookie uselib vhangup nfsservctl"
 ).split()
-FIRST_UID, UID_BLOCK = 2_000_000_000, 1024  # slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
-WORKER = os.path.realpath(sandbox_worker.__file__)  # bound alone into the sandbox (the view lists it)
+# slot uids as root: pool k of the node takes FIRST_UID + k * UID_BLOCK..
+FIRST_UID, UID_BLOCK = 2_000_000_000, 1024
+# bound alone into the sandbox (the view lists it)
+WORKER = os.path.realpath(sandbox_worker.__file__)
 
 
 @dataclasses.dataclass
 class Result:
     status: str      # one of STATUSES
     stdout: str
-    stderr: str      # the error in the harness's words, or a "[sandbox] ..." line saying why the call stopped
+    # the error in the harness's words, or a "[sandbox] ..." line saying why the call stopped
+    stderr: str
     value: str       # repr of a trailing expression (printed last by the harness), else ""
     duration: float  # seconds the call ran (for overloaded: seconds it waited)
 
@@ -216,7 +225,8 @@ class SandboxPool:
         self.mode = "none" if isolation == "none" else "bwrap"  # the isolation in use
         self.uids = [None] * workers  # each slot's uid (as root), claimed at start()
         self._cond = threading.Condition()
-        self._queue = collections.deque()  # calls: (t_submit, request line, future, timeout, needs rich)
+        # calls: (t_submit, request line, future, timeout, needs rich)
+        self._queue = collections.deque()
         self._threads, self._ready, self._errors = [], [], {}
         self._running = self._closed = False
         self._view, self._uid_lock, self._cgroups = (), None, []
@@ -234,8 +244,8 @@ class SandboxPool:
         if os.geteuid() == 0:
             self._uid_lock, first = _claim_uids(self.workers)
             self.uids = list(range(first, first + self.workers))
-        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"sandbox-{i}")
-                         for i in range(self.workers)]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True,
+                                          name=f"sandbox-{i}") for i in range(self.workers)]
         self._ready = [threading.Event() for _ in range(self.workers)]
         for thread in self._threads:
             thread.start()
@@ -246,7 +256,7 @@ class SandboxPool:
             self.close()
             raise RuntimeError(self._errors[min(self._errors)])
         if not self._cgroups:  # said once: what then holds is in the module docstring
-            print("sandbox: no cgroup for the calls (it needs root and writable cgroup v1 memory and pids): "
+            print(f"sandbox: no cgroup for the calls ({self._no_cgroup}): "
                   "their memory is capped per process only", file=sys.stderr)
         return self
 
@@ -262,13 +272,13 @@ class SandboxPool:
         with self._cond:
             while self._queue:
                 self._answer(self._queue.popleft(), "crash", "[sandbox] the pool shut down before this call ran")
-        for path in self._cgroups:  # empty once the last killed worker is gone (a moment after bwrap)
+        # empty once the last killed worker is gone (a moment after bwrap)
+        for path in self._cgroups:
             for _ in range(200):
-                try:
+                with contextlib.suppress(OSError):
                     os.rmdir(path)
                     break
-                except OSError:
-                    time.sleep(0.01)
+                time.sleep(0.01)
         if self._uid_lock:
             os.close(self._uid_lock)
 
@@ -342,23 +352,18 @@ class SandboxPool:
 
     def _serve(self, slot):
         procs = {False: None, True: None}  # the slot's lean and rich worker
-        try:
-            for rich in procs:
-                procs[rich] = self._spawn(slot, rich)
-        except Exception as e:
-            self._errors[slot] = e
-        self._ready[slot].set()
-        if self._errors.get(slot):
-            for proc in procs.values():
-                _stop(proc, kill=True)
-            return
         while True:
-            try:  # replace a worker that died or was stopped (idle, or in the last call) before taking a call
+            # start them, or replace one that died or was stopped (idle, or in the last call) before taking a call
+            try:
                 for rich, proc in procs.items():
                     if proc is None or proc.poll() is not None:
                         _stop(proc, kill=True)  # (a no-op on one stopped already)
                         procs[rich] = self._spawn(slot, rich)
-            except Exception:
+            except Exception as e:
+                # at start: the pool refuses to start, saying why
+                if not self._ready[slot].is_set():
+                    self._errors[slot] = e
+                    break
                 # could not restart: back off; queued calls go to other slots, or, when none can take them, are
                 # answered `overloaded` once they have waited queue_timeout (no call waits forever)
                 with self._cond:
@@ -367,23 +372,27 @@ class SandboxPool:
                     if self._cond.wait_for(lambda: self._closed, timeout=1.0):
                         break
                 continue
+            self._ready[slot].set()
             call = self._take()
             if call is None:
                 break
             _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
-            with contextlib.suppress(OSError, ValueError, TypeError):  # a broken pipe (it died) or a garbled reply
+            # a broken pipe (it died) or a garbled reply
+            with contextlib.suppress(OSError, ValueError, TypeError):
                 write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
                 reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
                 if reply is not None:
                     result = Result(**json.loads(reply))
-            if result is None:  # died, or no answer in time: answer the call, stop the worker (replaced above)
+            # died, or no answer in time: answer the call, stop the worker (replaced above)
+            if result is None:
                 _stop(proc, kill=True)
                 result = Result("crash", "", "[sandbox] the worker died or stopped answering; it was replaced", "",
                                 time.monotonic() - start)
             future.set_result(result)
         for proc in procs.values():
             _stop(proc, kill=False)
+        self._ready[slot].set()
 
     def _spawn(self, slot, rich):
         wrapper = _wrapper(self.mode, self._view)
@@ -392,67 +401,104 @@ class SandboxPool:
                                "run.sh installs it as root), or pass isolation='none' to run the tool's code on this "
                                "host without isolation (trusted code only)")
         cfg = {"uid": self.uids[slot], "rich": rich, "memory": self.memory, "output_cap": self.output_cap,
-               "view": self._view, "mode": self.mode, "oom_event": None, "cgroups": []}
-        # where the host lets us, each call of this worker runs in a cgroup of the worker's own (_cgroup): the child
-        # joins it through the fds of its cgroup.procs files; an eventfd tells the worker when the call hits the cap
-        # (cgroup v1's notification of memory.oom_control), and the worker then ends the whole call
-        cgroup = self._cgroup() if os.geteuid() == 0 else None
-        if cgroup:
-            cfg["oom_event"] = os.eventfd(0, os.EFD_NONBLOCK)
-            with open(os.path.join(cgroup[0], "memory.oom_control")) as oom:
-                pathlib.Path(cgroup[0], "cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
-            cfg["cgroups"] = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY) for d in cgroup]
-        fds = [cfg["oom_event"], *cfg["cgroups"]] if cgroup else []
+               "view": self._view, "mode": self.mode, "oom_event": os.eventfd(0, os.EFD_NONBLOCK)}
+        # where the host lets us, each call of this worker runs in a cgroup of the worker's own (_new_cgroup), else
+        # self._no_cgroup says why. The child joins it through the fds of its cgroup.procs files. On v1 the eventfd
+        # tells the worker when the call hits the cap (v1's notification of memory.oom_control), and the worker then
+        # ends the rest of the call; on v2 the kernel kills the whole call itself, and the worker reads memory.events'
+        # count of kills
+        try:
+            with open("/proc/self/cgroup") as f:
+                own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
+            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
+            cgroup = _new_cgroup("/sys/fs/cgroup", own, name, self.memory + CGROUP_SLACK, self._cgroups)
+        except (OSError, KeyError) as e:
+            # e.g. no v1 memory or pids hierarchy, or not writable here
+            self._no_cgroup = f"{type(e).__name__}: {e}"
+            cgroup = []
+        cfg["cgroups"] = [os.open(f"{d}/cgroup.procs", os.O_WRONLY) for d in cgroup]
+        fds = [cfg["oom_event"], *cfg["cgroups"]]
+        if len(cgroup) == 1:  # v2
+            fds.append(os.open(f"{cgroup[0]}/memory.events", os.O_RDONLY))
+            cfg["memory_events"] = fds[-1]
+        elif cgroup:
+            with open(f"{cgroup[0]}/memory.oom_control") as oom:
+                pathlib.Path(f"{cgroup[0]}/cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
         # the syscall filter: bwrap reads it from a memfd and loads it for the worker, and so for its calls
         if wrapper and self._seccomp:
             fds.append(os.memfd_create("seccomp"))
-            os.write(fds[-1], self._seccomp)
-            os.lseek(fds[-1], 0, os.SEEK_SET)
+            os.pwrite(fds[-1], self._seccomp, 0)  # (its offset stays at 0, where bwrap reads)
             wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
         argv = wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_worker_env(), pass_fds=fds)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=_worker_env(), pass_fds=fds)
         for fd in fds:
             os.close(fd)
         proc.buf = bytearray()
         try:
             os.set_blocking(proc.stdin.fileno(), False)
             os.set_blocking(proc.stdout.fileno(), False)
-            hello = read_line(proc.stdout.fileno(), proc.buf, time.monotonic() + START_TIMEOUT)
-            if hello is not None and json.loads(hello).get("ready"):
-                proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
-                return proc
+            # {"ready": true}, or {"error": why}; {} when it said nothing in time
+            hello = json.loads(read_line(proc.stdout.fileno(), proc.buf,
+                                         time.monotonic() + START_TIMEOUT) or "{}")
         # it exited: its stderr says why (bwrap's own words, when bwrap refused)
         except BrokenPipeError:
-            hello = None
+            hello = {}
         except Exception:  # no half-started worker
             _stop(proc, kill=True)
             raise
+        if hello.get("ready"):
+            proc.stderr.close()  # the worker points its own stderr at /dev/null once ready
+            return proc
         _stop(proc, kill=True)
-        why = (hello and json.loads(hello).get("error")) or proc.stderr.read().decode(errors="replace").strip()
+        why = hello.get("error") or proc.stderr.read().decode(errors="replace").strip()
         proc.stderr.close()
         raise RuntimeError(f"sandbox: worker {slot} failed to start ({why.splitlines()[-1] if why else 'it exited'})")
 
-    def _cgroup(self):
-        """A fresh cgroup (v1, memory and pids) for the calls of one worker (one at a time), below the pool's own,
-        capped at NPROC processes and `memory` + CGROUP_SLACK: its memory and pids directories, or None where the
-        host does not let us make them. The worker is not in it: the kernel kills only the call when it is full."""
+
+def _new_cgroup(root, own, name, memory, made):
+    """A new cgroup `name` below the pool's own for the calls of one worker (one at a time), capped at `memory`
+    bytes (swap included, where swap is counted) and NPROC processes: its directories (v1: memory's, then pids';
+    v2: one), each added to `made` once made. The worker is not in it: the kernel's kill at the cap finds only the
+    call. `own` maps each hierarchy to the pool's group in it (/proc/self/cgroup: "memory" -> "/a" on cgroup v1, a
+    hierarchy per controller; "" -> "/a" on v2, one for all), `root` is where they are mounted (/sys/fs/cgroup; a
+    tmp dir in the tests' fake trees). Raises OSError or KeyError, naming what is missing or refused."""
+    if "memory" in own:  # v1 (on a hybrid host v2 then has no memory controller)
+        # (a "//" is as good as a "/")
+        dirs = [f"{root}/{c}{own[c]}/{name}" for c in ("memory", "pids")]
+        limits = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory}
+    else:  # v2, on `root` itself or, on a hybrid host, on its unified/
+        unified = root if os.path.exists(f"{root}/cgroup.controllers") else f"{root}/unified"
+        parent = pathlib.Path(f"{unified}{own['']}")
+        offered = (parent / "cgroup.controllers").read_text().split()
+        if {"memory", "pids"} - set(offered):
+            raise OSError(f"cgroup v2: {parent} offers {offered}, not memory and pids")
+        # v2's "no internal processes" rule: a group hands controllers to its children only while it holds no
+        # process itself (the root aside), and the pool's process sits in its own group. Where enabling them is
+        # refused (EBUSY), the group's processes (the pool's, and any of the trainer's beside it) move to a leaf of
+        # their own, nano-rstar2-pool (a sibling of the workers' groups, left in place at close), and we try again
         try:
-            with open("/proc/self/cgroup") as f:
-                own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
-            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
-            dirs = [f"/sys/fs/cgroup/{c}{own[c]}/{name}".replace("//", "/") for c in ("memory", "pids")]
-            for d in dirs:
-                os.mkdir(d)
-                self._cgroups.append(d)
-            pathlib.Path(dirs[1], "pids.max").write_text(str(sandbox_worker.NPROC))
-            # memsw: memory and swap together, where swap is counted
-            for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
-                if os.path.exists(os.path.join(dirs[0], name)):
-                    pathlib.Path(dirs[0], name).write_text(str(self.memory + CGROUP_SLACK))
-        except (OSError, KeyError):  # no v1 memory/pids hierarchy, or not writable here
-            return None
-        return dirs
+            (parent / "cgroup.subtree_control").write_text("+memory +pids")
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            (parent / "nano-rstar2-pool").mkdir(exist_ok=True)
+            for pid in (parent / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    (parent / "nano-rstar2-pool" / "cgroup.procs").write_text(pid)
+            (parent / "cgroup.subtree_control").write_text("+memory +pids")
+        dirs = [str(parent / name)]
+        # the whole call is killed at its cap (v1 kills one process; the worker's eventfd then ends the rest)
+        limits = {"memory.max": memory, "memory.swap.max": 0, "memory.oom.group": 1}
+    for d in dirs:
+        os.mkdir(d)
+        made.append(d)
+    pathlib.Path(f"{dirs[-1]}/pids.max").write_text(str(sandbox_worker.NPROC))
+    for file, value in limits.items():
+        # swap (v1's memsw: memory and swap together; v2's swap alone) only where the kernel counts it
+        if "sw" not in file or os.path.exists(f"{dirs[0]}/{file}"):
+            pathlib.Path(f"{dirs[0]}/{file}").write_text(str(value))
+    return dirs
 
 
 def _claim_uids(workers):
@@ -460,23 +506,18 @@ def _claim_uids(workers):
     process uses: (the fd of its lock, first uid). Each pool holds a lock (flock) on a file named after its block
     in /run while it lives: only root may make files there, so no other user can hold a block's name and stop a
     pool from starting (an abstract socket's name could be taken by anyone)."""
-    in_use = {account.pw_uid for account in pwd.getpwall()}  # the host's accounts, then its processes' uids
+    # the host's accounts, then its processes' uids
+    in_use = {account.pw_uid for account in pwd.getpwall()}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                in_use.update(int(u) for line in f if line.startswith("Uid:") for u in line.split()[1:])
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:  # (OSError: it exited)
+            in_use.update(int(u) for line in f if line.startswith("Uid:") for u in line.split()[1:])
     for block in range(1000):
         first = FIRST_UID + block * UID_BLOCK
         lock = os.open(f"/run/nano-rstar2-sandbox-uids-{first}.lock", os.O_CREAT | os.O_RDWR, 0o600)
-        try:
+        with contextlib.suppress(OSError):  # (OSError: another pool holds it)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # another pool holds it
-            os.close(lock)
-            continue
-        if not any(uid in in_use for uid in range(first, first + workers)):
-            return lock, first
+            if not any(uid in in_use for uid in range(first, first + workers)):
+                return lock, first
         os.close(lock)
     raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
 
@@ -534,8 +575,8 @@ def _wrapper(mode, view):
     # as root, no user namespace (the worker needs real uids to drop the child to); as a normal user, a user
     # namespace, in which the worker may mount each call's tmpfs and make its namespaces
     root = os.geteuid() == 0
-    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"] if root
-          else ["--unshare-all"])
+    ns = (["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+           "--unshare-cgroup-try"] if root else ["--unshare-all"])
     caps = ROOT_CAPS if root else ("CAP_SYS_ADMIN",)
     ns += ["--cap-drop", "ALL"] + [arg for cap in caps for arg in ("--cap-add", cap)]
     # directories on the way to each name: bwrap would copy their host modes (e.g. /root 700)
@@ -556,9 +597,9 @@ def _wrapper(mode, view):
 
 def _worker_env():
     # a fresh environment: nothing of the trainer's (tokens, keys, paths) reaches the workers
-    return {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
+    return {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
 
 def write_all(fd, data, deadline):
@@ -603,12 +644,11 @@ def _stop(proc, kill):
     with contextlib.suppress(OSError):
         proc.stdin.close()  # a worker exits on EOF; as pid 1 its exit ends its whole namespace
     if not kill:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            kill = True
-    if kill:
-        proc.kill()  # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
+    if proc.poll() is None:  # (killed, or it did not exit in time)
+        # bwrap passes the SIGKILL on to the worker (--die-with-parent); with "none" it is the worker
+        proc.kill()
         proc.wait()
     proc.stdout.close()
 

@@ -61,19 +61,22 @@ import types
 
 NPROC = 64         # processes + threads a call may have (its cgroup's pids.max, else RLIMIT_NPROC)
 NOFILE = 256       # open files per call process
-LAST_WORDS = 0.25  # seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to
-#                    flush what it printed and end it, before it kills the call itself
-CALL_DIR = "/tmp/call"  # each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
+# seconds past a call's deadline the worker waits for the call's own alarm (_deadline) to flush what it printed
+# and end it, before it kills the call itself
+LAST_WORDS = 0.25
+# each call's own tmpfs (bwrap makes the directory; /tmp around it is read-only)
+CALL_DIR = "/tmp/call"
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
-INIT_STACK = ctypes.create_string_buffer(1 << 16)  # the stack of each call's init, which only ever calls pause()
+# the stack of each call's init, which only ever calls pause()
+INIT_STACK = ctypes.create_string_buffer(1 << 16)
 
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
 
 # what every worker imports before it forks its first call; the rich one adds RICH (sandbox.py's
 # docstring says why there are two)
-PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
-           "bisect", "random", "statistics", "re", "string", "json")
+PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections",
+           "heapq", "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy", "scipy")  # scipy's top level only (~1 MB): preloading its submodules
 # (optimize, integrate, special, linalg) doubled the rich worker's memory and so its fork time
 
@@ -85,14 +88,14 @@ def _libc():
 
 
 def _check(result, what):
-    if result != 0:
+    if result < 0:  # (libc's -1, with errno set)
         raise OSError(ctypes.get_errno(), f"{what} failed")
 
 
 def main(cfg):
     # the pool speaks JSON lines over our stdin/stdout; move them aside so nothing else writes there
     req = os.fdopen(os.dup(0), "rb")
-    rep = os.fdopen(os.dup(1), "wb")
+    rep = os.fdopen(os.dup(1), "w", buffering=1)  # a reply a line, sent at its newline
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
@@ -104,21 +107,22 @@ def main(cfg):
             raise RuntimeError("the sandbox is not isolated: " + "; ".join(problems))
         _prepare_calls(cfg, libc)
         _warm(cfg["rich"])
-        if cfg["mode"] != "none":  # the call's uid must be able to import what the worker did not preload
+        # the call's uid must be able to import what the worker did not preload
+        if cfg["mode"] != "none":
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
                            cfg, _vmsize(), libc)
-            if canary["status"] != "ok":  # the first line of the harness's report, or the last of a traceback
+            # the first line of the harness's report, or the last of a traceback
+            if canary["status"] != "ok":
                 lines = canary["stderr"].strip().splitlines() or [canary["status"]]
                 raise RuntimeError(f"a call (uid {cfg['uid']}) cannot start or read the Python installation: "
                                    + lines[-1 if lines[0].startswith("Traceback") else 0])
     except Exception as e:
-        rep.write((json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n").encode())
-        rep.flush()
+        rep.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
         os._exit(1)
-    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
+    # PR_SET_DUMPABLE 0: nothing running as our uid can ptrace us or write our /proc
+    libc.prctl(4, 0, 0, 0, 0)
     vm = _vmsize()
-    rep.write((json.dumps({"ready": True, "pid": os.getpid()}) + "\n").encode())
-    rep.flush()
+    rep.write(json.dumps({"ready": True}) + "\n")
     os.dup2(null, 2)
     # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
     for line in req:
@@ -126,8 +130,7 @@ def main(cfg):
         r = json.loads(line)
         # run it from nothing in a forked child (_call), then answer with its Result's fields
         out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
-        rep.write((json.dumps(out) + "\n").encode())
-        rep.flush()
+        rep.write(json.dumps(out) + "\n")
     if cfg["mode"] == "none":
         shutil.rmtree(os.path.dirname(cfg["tmp"]), ignore_errors=True)  # on the host's /tmp
 
@@ -143,17 +146,17 @@ def _prepare_calls(cfg, libc):
     else:
         cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
         cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
-    # where the pool made no cgroup, an eventfd of our own that nothing signals (the calls never hit a cgroup's cap)
-    cfg["oom_event"] = cfg["oom_event"] or os.eventfd(0, os.EFD_NONBLOCK)
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
-    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
+    # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
+    libc.prctl(38, 1, 0, 0, 0)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (and so each call's init has no handler at all)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-big file gets EFBIG (an error), not a kill
+    # a too-big file gets EFBIG (an error), not a kill
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
     # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
     # stderr by lines
-    sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)
     sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.stderr = sys.__stderr__ = open(2, "w", 1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.argv = ["<string>"]
@@ -165,21 +168,18 @@ def _vmsize():
 
 
 def _isolation_problems(cfg):
+    """What shows that bwrap did not isolate the worker as asked: each a sentence (none with isolation "none")."""
     if cfg["mode"] == "none":
         return []
-    problems = []
     extra = set(os.listdir("/")) - {op[-1].split("/")[1] for op in cfg["view"]} - {"proc", "tmp"}
-    if extra:
-        problems.append(f"the root holds more than the view: {sorted(extra)[:5]}")
-    if os.getpid() != 1:
-        problems.append("the worker is not the init of its own pid namespace")
-    if os.access("/", os.W_OK) or os.access(os.path.abspath(__file__), os.W_OK) or os.access("/tmp", os.W_OK):
-        problems.append("the host filesystem is writable")
     with open("/proc/net/dev") as f:
         ifaces = {line.split(":")[0].strip() for line in f.readlines()[2:]} - {"lo"}
-    if ifaces:
-        problems.append(f"network interfaces are visible: {sorted(ifaces)}")
-    return problems
+    writable = any(os.access(path, os.W_OK) for path in ("/", "/tmp", __file__))
+    checks = {f"the root holds more than the view: {sorted(extra)[:5]}": extra,
+              "the worker is not the init of its own pid namespace": os.getpid() != 1,
+              "the host filesystem is writable": writable,
+              f"network interfaces are visible: {sorted(ifaces)}": ifaces}
+    return [problem for problem, found in checks.items() if found]
 
 
 def _warm(rich):
@@ -188,10 +188,13 @@ def _warm(rich):
     for name in PRELOAD + (RICH if rich else ()):
         try:
             importlib.import_module(name)
-        except ImportError as e:  # e.g. a library the view lacks: the pool refuses to start, saying which
-            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # numpy's message ends with the cause
+        except ImportError as e:
+            # e.g. a library the view lacks: the pool refuses to start, saying which (numpy's message ends with the
+            # cause)
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise RuntimeError(f"cannot import {name} in the sandbox: {why}") from None
-    if "sympy" in sys.modules:  # run the common paths once so lazy imports and caches fill here, not per call
+    # run the common paths once so lazy imports and caches fill here, not per call
+    if "sympy" in sys.modules:
         import sympy as sp
         x = sp.Symbol("x")
         sp.factor(x**4 - 1), sp.expand((x + 1)**5), sp.solve(x**2 - 2, x), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
@@ -203,7 +206,8 @@ def _warm(rich):
         import numpy as np
         np.linalg.solve(np.eye(3), np.ones(3)), np.arange(10).sum(), np.sqrt(np.array([4.0]))
     gc.collect()
-    gc.freeze()  # keep the collector from touching (and so copying) the parent's pages in every child
+    # keep the collector from touching (and so copying) the parent's pages in every child
+    gc.freeze()
     # back the warm heap with huge pages where the kernel can (MADV_COLLAPSE, Linux >= 6.1; elsewhere a
     # no-op): fork then copies one page-table entry per 2 MiB instead of 512, and fork is most of a call
     # (trivial calls took ~40% less time on a 2-core VM)
@@ -213,12 +217,13 @@ def _warm(rich):
         # one mapping a line: keep the writable anonymous ones and the heap
         for line in f:
             fields = line.split()
-            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):  # anonymous
+            # (anonymous)
+            if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):
                 # its whole 2 MiB pages, if it holds any, collapsed into huge pages
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 lo, hi = -(-lo // huge) * huge, hi // huge * huge
-                if hi > lo:
-                    libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
+                # (none: the length is 0 or wraps below 0, and the kernel refuses it, EINVAL)
+                libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
 
 
 def _call(code, stdin, timeout, cfg, vm, libc):
@@ -226,7 +231,8 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     isolated, tmp = cfg["mode"] != "none", cfg["tmp"]
     # 1) an empty directory of its own: with bwrap a fresh tmpfs, whose size is all the file space it gets
     if isolated:
-        _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", ctypes.c_ulong(2 | 4),  # MS_NOSUID | MS_NODEV
+        # MS_NOSUID | MS_NODEV
+        _check(libc.mount(b"tmpfs", tmp.encode(), b"tmpfs", ctypes.c_ulong(2 | 4),
                           f"size={cfg['memory']},mode=700,uid={cfg['uid']},gid={cfg['uid']}".encode()), "mount")
     else:
         os.mkdir(tmp, 0o700)
@@ -234,19 +240,22 @@ def _call(code, stdin, timeout, cfg, vm, libc):
             os.chown(tmp, cfg["uid"], cfg["uid"])
     # 2) its stdin (a memfd, written whole) and pipes for its stdout, stderr and last word (fd 3)
     stdin_fd = os.memfd_create("stdin")
-    os.write(stdin_fd, stdin.encode(errors="replace"))
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    # (its offset stays at 0, where the child reads)
+    os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init(libc) if isolated else None
-    sys.stdout.flush(), sys.stderr.flush()  # the child inherits these wrappers: nothing of ours in them
+    # the child inherits these wrappers: nothing of ours in them
+    sys.stdout.flush(), sys.stderr.flush()
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))  # no return
+        # no return
+        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))
     if isolated:
-        _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")  # our next children are in our namespace again
+        # our next children are in our namespace again
+        _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")
     for fd in (stdin_fd, out_w, err_w, ctl_w):
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
@@ -283,12 +292,11 @@ def _call(code, stdin, timeout, cfg, vm, libc):
         status = "memory"
     else:
         status = "ok" if os.WEXITSTATUS(wstatus) == 0 else "error"
-    cap = cfg["output_cap"]
-    notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cap})"
+    notes = [f"[sandbox] {name} truncated: {n} more bytes dropped (cap {cfg['output_cap']})"
              for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
     stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
-    return {"status": status, "stdout": outputs[0], "stderr": stderr, "value": value if has_value else "",
-            "duration": duration}
+    return {"status": status, "stdout": outputs[0], "stderr": stderr,
+            "value": value if has_value else "", "duration": duration}
 
 
 def _start_init(libc):
@@ -298,22 +306,27 @@ def _start_init(libc):
     _check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
     top = (ctypes.addressof(INIT_STACK) + len(INIT_STACK)) & ~15
     init = libc.clone(ctypes.cast(libc.pause, ctypes.c_void_p), top, CLONE_VM | signal.SIGCHLD, None)
-    if init < 0:
-        raise OSError(ctypes.get_errno(), "clone of the call's init failed")
+    _check(init, "clone of the call's init")
     return init
 
 
 def _went_past_cap(cfg):
-    """Whether the kernel signalled out of memory in the call's cgroup since this was last asked (the eventfd the pool
-    registered for memory.oom_control; reading it resets it)."""
-    try:
+    """Whether the kernel killed a process of the call's cgroup for memory since this was last asked: on cgroup v1
+    the pool's eventfd for memory.oom_control was signalled (reading it resets it); on v2 the oom_kill count in
+    memory.events (cfg's memory_events: an fd of it) grew. Without a cgroup nothing signals the eventfd."""
+    if cfg.get("memory_events"):  # (an fd the pool passed: 3 or more)
+        kills = cfg.get("oom_kills", 0)
+        # "low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\noom_group_kill 1\n"
+        events = os.pread(cfg["memory_events"], 4096, 0)
+        cfg["oom_kills"] = int(events.split(b"oom_kill ")[1].split()[0])
+        return cfg["oom_kills"] > kills
+    with contextlib.suppress(BlockingIOError):  # (nothing signalled)
         return bool(os.read(cfg["oom_event"], 8))
-    except BlockingIOError:  # nothing signalled
-        return False
+    return False
 
 
 def _collect(pid, fds, deadline, cfg):
-    """Read the call's pipes until it exits, its cgroup runs out of memory (cfg's oom_event is readable) or
+    """Read the call's pipes until it exits, its v1 cgroup runs out of memory (cfg's oom_event is readable) or
     `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out). The control pipe (the last)
     keeps 4 KiB more than the cap: the value comes through it."""
     bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
@@ -337,7 +350,7 @@ def _collect(pid, fds, deadline, cfg):
             # keep what fits under the cap, count the rest as dropped
             keep = max(0, cfg["output_cap"] + 4096 * (fd == fds[-1]) - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
-            dropped[fd] += len(chunk) - len(chunk[:keep])
+            dropped[fd] += len(chunk[keep:])
 
     timed_out, exited = False, False
     while not exited and not timed_out:
@@ -367,19 +380,23 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         # the call's own memory and pids cgroups (as root: the uid is still the worker's)
         for fd in cfg["cgroups"]:
             os.write(fd, b"0")
-        for i, fd in enumerate(fds):  # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure
-            os.dup2(fd, i)  # below is reported in the call's stderr)
-        os.closerange(4, 1 << 16)  # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure below is reported in the call's
+        # stderr)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        # fds 0-3 were taken when the pipes were made, so no source was clobbered
+        os.closerange(4, 1 << 16)
         # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
         # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
-        cpu = math.ceil(timeout) + 1  # the wall deadline normally fires first; this is the backstop
         # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
-        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_CPU, cpu),
-                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE),
-                       (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
-            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))  # CPU: SIGXCPU, then SIGKILL
+        # CPU: the wall deadline normally fires first; this is the backstop
+        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_NPROC, nproc),
+                       (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE)):
+            # CPU: SIGXCPU, then SIGKILL
+            resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))
         # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
         # holds CAP_SYS_RESOURCE, so the kernel keeps 1000 as the least the call may set; a normal user cannot)
         libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: our /proc/self files are ours to write
@@ -404,7 +421,8 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
         _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
-        signal.signal(signal.SIGALRM, _deadline)  # its own deadline (only here: the worker never runs it)
+        # its own deadline (only here: the worker never runs it)
+        signal.signal(signal.SIGALRM, _deadline)
         os.chdir(cfg["tmp"])
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
@@ -416,25 +434,29 @@ def _child(code, deadline, timeout, cfg, vm, libc, fds):
             if value is not None:
                 value = value[:cfg["output_cap"]]
             exit_code = 0
-        except SystemExit as e:  # not caught by the release's harness either: python3 exits as usual
+        except SystemExit as e:
+            # not caught by the release's harness either: python3 exits as usual
             if e.code is None or isinstance(e.code, int):
                 exit_code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
                 exit_code = 1
-        except _Reported as e:  # the harness prints its report and ends with os._exit(1): what print()
-            # left in stdout's buffer is lost (only what was flushed stays)
+        except _Reported as e:
+            # the harness prints its report and ends with os._exit(1): what print() left in stdout's buffer is lost
+            # (only what was flushed stays)
             status = "memory" if isinstance(e.error, MemoryError) else "error"
             exit_code, flush = 1, (sys.stderr,)
             try:
                 print(str(e), file=sys.stderr)
             except MemoryError:
                 os.write(2, type(e.error).__name__.encode() + b"\n")
-        except BaseException as e:  # the harness prints a traceback (then os._exit(1)); python3 does the same for
-            # a KeyboardInterrupt and the like (and then flushes stdout)
+        except BaseException as e:
+            # the harness prints a traceback (then os._exit(1)); python3 does the same for a KeyboardInterrupt and
+            # the like (and then flushes stdout)
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
             flush = (sys.stderr,) if isinstance(e, Exception) else flush
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the code's frame on
+            # from the code's frame on
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         signal.setitimer(signal.ITIMER_REAL, 0)
         for f in flush:
             with contextlib.suppress(BaseException):
@@ -508,8 +530,9 @@ def _release_words(e, code, offset=0):
     (which may be a library's, or a function's defined elsewhere), plus `offset`; when line N is not a
     line of `code` (a trailing expression's error after other code, a library's line 900): "ErrType:
     message"."""
-    frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]  # outermost frame first
-    n = e.lineno if hasattr(e, "lineno") else (frame_lines[-1] if frame_lines else -1)
+    # outermost frame first
+    frame_lines = [lineno for _, lineno in traceback.walk_tb(e.__traceback__)]
+    n = getattr(e, "lineno", frame_lines[-1] if frame_lines else -1)
     name, lines = type(e).__name__, code.splitlines()
     if isinstance(n, int) and n != -1 and 0 <= n + offset - 1 < len(lines):
         return f"{name} at line {n + offset}: {e}\n  {lines[n + offset - 1]}"
@@ -520,10 +543,9 @@ def _deadline(signum, frame):
     """A call's own alarm, due at its deadline (a moment before the worker would kill it): flush what the
     code printed and end the call, as the release's alarm handler does (it prints "Suicide from timeout."
     with flush=True, which the tool response adds). The worker reads the call's status from fd 3."""
-    try:
+    # (it fails e.g. when the code was inside a write to stdout: what is in the buffer is then lost)
+    with contextlib.suppress(BaseException):
         sys.stdout.flush()
-    except BaseException:  # e.g. the code was inside a write to stdout: what is in the buffer is lost
-        pass
     try:
         os.write(3, b"\0timeout")
     finally:
@@ -533,11 +555,13 @@ def _deadline(signum, frame):
 # ------------------------------------------------------------------------------------------------
 # the view: what a call can see (computed by the pool, on the host; see the module docstring)
 
-RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")  # the paper's tool environment, plus what they require
+# the paper's tool environment, plus what they require
+RICH_DISTS = ("numpy", "scipy", "sympy", "mpmath")
 ETC = ("/etc/ld.so.cache", "/etc/localtime")  # the loader's cache of library paths; local time
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
-DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-             "/dev/stderr": "/proc/self/fd/2",  # into the call's own /proc, as on any Linux
+# /dev/fd, /dev/stdin, ...: into the call's own /proc, as on any Linux
+DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
+             "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2",
              # POSIX shared memory and semaphores (multiprocessing's locks): the call's tmpfs
              "/dev/shm": CALL_DIR}
 
@@ -566,7 +590,7 @@ def view(dists=RICH_DISTS):
     stdlib, dynload = sysconfig.get_path("stdlib"), sysconfig.get_config_var("DESTSHARED")
     need(stdlib)
     need(dynload)
-    masks = [p for p in [os.path.join(stdlib, "site-packages")] if os.path.isdir(p)]
+    masks = [p for p in [f"{stdlib}/site-packages"] if os.path.isdir(p)]
     # 2) the distributions and their requirements (extras aside): the top-level entries of their RECORD
     todo, seen, sos = list(dists), set(), [os.path.realpath(python())]
     while todo:
@@ -582,7 +606,8 @@ def view(dists=RICH_DISTS):
             continue
         # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
-            where = str(dist.locate_file(top))  # under the real site-packages: the one the worker's sys.path holds
+            # under the real site-packages: the one the worker's sys.path holds
+            where = str(dist.locate_file(top))
             need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
         # its shared objects (for ldd below) and its requirements (to visit next)
         sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
@@ -590,7 +615,7 @@ def view(dists=RICH_DISTS):
         todo += [re.match(r"[\w.-]+", r).group() for r in dist.requires or [] if "extra" not in r]
     # 3) the shared libraries all of these link, as the loader finds them (one ldd over every file: ~1 s)
     if os.path.isdir(dynload):
-        sos += [os.path.join(dynload, n) for n in os.listdir(dynload) if ".so" in n]
+        sos += [f"{dynload}/{n}" for n in os.listdir(dynload) if ".so" in n]
     try:
         out = subprocess.run(["ldd", *sos], capture_output=True, text=True,
                              env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
@@ -602,7 +627,8 @@ def view(dists=RICH_DISTS):
         lib = line.split("=>")[-1].split("(")[0].strip()
         if line.startswith("\t") and lib.startswith("/"):
             need(lib)
-    for path in [*filter(os.path.exists, ETC), *DEVICES, os.path.realpath(__file__)]:  # ETC: where the host has them
+    # ETC: where the host has them
+    for path in [*filter(os.path.exists, ETC), *DEVICES, os.path.realpath(__file__)]:
         need(path)
     if missing:
         raise RuntimeError("sandbox: refusing to start: the tool's view lacks " + ", ".join(missing))

@@ -258,15 +258,21 @@ def test_a_calls_key_reaches_no_host_process_and_no_new_pool():
 
 
 def cgroups_writable():
+    """Whether a pool here gets a cgroup per worker: as root, writable cgroup v1 memory and pids; on cgroup v2, a group
+    of its own it may write that offers memory and pids."""
     try:
         with open("/proc/self/cgroup") as f:
             own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
+        if "memory" not in own:
+            v2 = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
+            offered = open(f"{v2}{own['']}/cgroup.controllers").read().split()
+            return {"memory", "pids"} <= set(offered) and os.access(f"{v2}{own['']}/cgroup.subtree_control", os.W_OK)
         return ROOT and all(os.access(f"/sys/fs/cgroup/{c}{own[c]}", os.W_OK) for c in ("memory", "pids"))
     except (OSError, KeyError):
         return False
 
 
-@pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs writable cgroup v1 memory and pids")
+@pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs a writable cgroup (v1 memory and pids, or v2)")
 def test_memory_is_capped_per_call():
     """Under the 256 MiB default, one call held ~600 MB with 4 forked processes of 150 MB (each under its own
     address-space limit), ~600 MB in memfds and ~600 MB in SysV segments (which count against no rlimit): now the
@@ -292,7 +298,7 @@ def test_memory_is_capped_per_call():
     assert same_workers, "a call's memory killed its worker"
 
 
-@pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs writable cgroup v1 memory and pids")
+@pytest.mark.skipif(not cgroups_writable(), reason="a cap per call needs a writable cgroup (v1 memory and pids, or v2)")
 def test_a_call_past_its_cap_is_ended_whole():
     """With cgroup v1 the kernel killed one process of a call past its cap, and the rest ran on to the deadline: now
     the cgroup's out-of-memory event ends the whole call at once (here 4 processes of 150 MB, the call's main
@@ -371,7 +377,7 @@ with SandboxPool(workers=1) as pool:
 
 
 @pytest.mark.skipif(not cgroups_writable() or not shutil.which("unshare"),
-                    reason="a pids cgroup per call needs writable cgroup v1 memory and pids (and unshare)")
+                    reason="a pids cgroup per call needs a writable cgroup (v1 or v2) and unshare")
 def test_pools_in_other_namespaces_share_a_uid_harmlessly():
     """Two pools in two containers of one kernel (separate network, pid and mount namespaces: each sees neither the
     other's claim nor its processes) take the same slot uid, and the kernel counts a uid's processes (RLIMIT_NPROC)
