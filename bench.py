@@ -202,8 +202,12 @@ def single_turn(ours, hf, tok, prompts, B, N, reps):
     engine.stop_ids = set()  # no EOS stop: every row generates exactly N tokens, as transformers below
     ids, mask = left_pad(P, tok.pad_token_id)
 
-    def run_ours(n=N):
-        return engine.generate(P, n)  # greedy
+    def run_ours(n=N, mode="eager"):
+        ours.decode_mode = mode  # issue 45: "compile" = static-shape decode steps through inductor
+        try:
+            return engine.generate(P, n)  # greedy
+        finally:
+            ours.decode_mode = "eager"
 
     @torch.no_grad()
     def run_hf(n=N):
@@ -212,26 +216,32 @@ def single_turn(ours, hf, tok, prompts, B, N, reps):
         return out[:, L:].tolist()
 
     a, b = run_ours(), run_hf()  # warm-up, and the check that both do the same thing
+    t0 = time.perf_counter()
+    c = run_ours(mode="compile")  # its first run compiles each shape of its steps: timed apart
+    compile_s = time.perf_counter() - t0
     assert all(len(x) == N for x in a + b), "a side stopped early"
-    same = sum(x == y for x, y in zip(a, b))
+    same, same_compiled = sum(x == y for x, y in zip(a, b)), sum(x == y for x, y in zip(a, c))
     mm, mm_flops = step_matmuls(ours, B)
-    # runs of 1 new token = the prefill alone; (N-token run - 1-token run) / (N - 1) = one decode step
-    (t_ours, t_hf, t_mm, p_ours, p_hf), n = medians([run_ours, run_hf, mm, lambda: run_ours(1), lambda: run_hf(1)],
-                                                    reps)
+    # runs of 1 new token = the prefill alone; (N-token run - 1-token run) / (N - 1) = one decode step (the
+    # compiled side's prefill is the eager one: a prompt is not a one-token forward)
+    (t_ours, t_hf, t_mm, p_ours, p_hf, t_compiled), n = medians(
+        [run_ours, run_hf, mm, lambda: run_ours(1), lambda: run_hf(1), lambda: run_ours(mode="compile")], reps)
     # useful work: B x N generated tokens at the mean context (+ the prompts' prefill for the last column)
     ctx = statistics.mean(map(len, P)) + (N + 1) / 2
     decode = B * N * flops_per_token(ours, ctx)
     head = 2 * ours.cfg.hidden_size * ours.cfg.vocab_size  # the lm_head runs on a prompt's last token only
     prefill = sum(len(p) * (flops_per_token(ours, (len(p) + 1) / 2) - head) + head for p in P)
     return dict(B=B, same=same, rounds=n, t_ours=t_ours, t_hf=t_hf, p_ours=p_ours, p_hf=p_hf, mix=mm_flops / t_mm,
-                decode=decode, prefill=prefill, plen=[len(p) for p in P], load=load())
+                decode=decode, prefill=prefill, plen=[len(p) for p in P], load=load(), t_compiled=t_compiled,
+                p_compiled=p_ours, compile_s=compile_s, same_compiled=same_compiled)
 
 
 def print_single_turn(res, square):
     print(f"{'batch':>5} {'side':<13} {'s/run':>7} {'tok/s':>6} {'prefill s':>9} {'ms/step':>7} {'% mix':>6} "
           f"{'% square':>8} {'% mix+prefill':>13} {'% mix steps':>11}")
     for r in res:
-        for side, t, p in (("ours", r["t_ours"], r["p_ours"]), ("transformers", r["t_hf"], r["p_hf"])):
+        for side, t, p in (("ours", r["t_ours"], r["p_ours"]), ("ours compiled", r["t_compiled"], r["p_compiled"]),
+                           ("transformers", r["t_hf"], r["p_hf"])):
             step = (t - p) / (N_NEW - 1)
             print(f"{r['B']:>5} {side:<13} {t:>7.3f} {r['B'] * N_NEW / t:>6.0f} {p:>9.3f} {1e3 * step:>7.2f} "
                   f"{100 * r['decode'] / t / r['mix']:>6.1f} {100 * r['decode'] / t / square:>8.1f} "
@@ -240,6 +250,10 @@ def print_single_turn(res, square):
         print(f"{r['B']:>5} {'ours / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_ours']):>7} | same tokens "
               f"{r['same']}/{r['B']} rows | prompts {min(r['plen'])}-{max(r['plen'])} tokens | mix "
               f"{r['mix'] / 1e9:.1f} GFLOP/s | {r['rounds']} rounds | load {r['load']:.2f}")
+        step, step_compiled = ((r[t] - r["p_ours"]) / (N_NEW - 1) for t in ("t_ours", "t_compiled"))
+        print(f"{r['B']:>5} {'compiled / HF':<13} {'x%.2f' % (r['t_hf'] / r['t_compiled']):>7} | compiled / eager "
+              f"x{r['t_ours'] / r['t_compiled']:.2f} per run, x{step / step_compiled:.2f} per decode step | same tokens "
+              f"as eager {r['same_compiled']}/{r['B']} rows | compile {r['compile_s']:.1f} s (its first run, apart)")
 
 
 # -----------------------------------------------------------------------------
@@ -1182,6 +1196,65 @@ def gpu_decode(path, dev, dry, batches, prompt_len, new, hbm, sync):
     return rows
 
 
+def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
+    """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
+    graphs (model.decode_mode = "graphs": a graph per bucket of rows and pages, replayed), bf16, ms per decode step
+    (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each batch, which
+    captures its graphs, is timed apart; the tokens of both sides compared. --cpu: "static" (the same steps run
+    eagerly: a CPU has no graphs)."""
+    ours = load_model(path, dev, torch.bfloat16).eval()
+    c = ours.cfg
+    weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
+    mode = "static" if dry else "graphs"
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for B in batches:
+        prompts = [torch.randint(0, 512, (prompt_len,), generator=g).tolist() for _ in range(B)]
+        engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1), max_len=prompt_len + new + 1,
+                        max_rows=B)
+
+        def run(n, side):
+            ours.decode_mode = side
+            try:
+                out = engine.generate(prompts, n)
+                sync()
+                return out
+            finally:
+                ours.decode_mode = "eager"
+        eager_tokens = run(new, "eager")  # warm-up
+        t0 = time.perf_counter()
+        static_tokens = run(new, mode)  # captures (or compiles) each bucket's step
+        first_s = time.perf_counter() - t0
+        sides = ("eager", mode)
+        times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
+        step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
+        roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
+        for i, side in enumerate(sides):
+            decode_s = max(times[2 * i] - times[2 * i + 1], 1e-9)
+            tok_s = B * (new - 1) / decode_s
+            rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
+                             roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
+                             first_run_s=first_s if side == mode else None,
+                             same_tokens=sum(a == b for a, b in zip(eager_tokens, static_tokens)), rows=B))
+        del engine
+    del ours
+    return rows
+
+
+def print_gpu_graphs(rows):
+    print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs on a GPU, run eagerly on --cpu):")
+    print(f"   {'batch':>5} {'side':<8} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
+    for r in rows:
+        pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
+        first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
+        print(f"   {r['batch']:>5} {r['side']:<8} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
+              f"{first:>11} {r['same_tokens']}/{r['rows']}")
+    for B in sorted({r["batch"] for r in rows}):
+        eager, static = [r for r in rows if r["batch"] == B]
+        print(f"   batch {B}: {static['side']} / eager x{eager['ms_per_step'] / static['ms_per_step']:.2f} per step")
+
+
 def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
     """5. a few RL steps of the tiny config through train_rl.py itself (bf16 on the GPU), from its metrics"""
     if not (os.path.isdir(model_path) and os.path.isfile(data_path)):
@@ -1255,6 +1328,8 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
                     4 if dry else n, 8 if dry else 64)
         section("decode", gpu_decode, functools.partial(print_gpu_decode, report["flash_attn"]), path, dev, dry,
                 (1, 2, 4) if dry else (1, 32, 64), 16 if dry else 128, 8 if dry else 128, hbm, sync)
+        section("graphs", gpu_graphs, print_gpu_graphs, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
+                16 if dry else 128, 8 if dry else 128, hbm, sync)
     section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
@@ -1321,7 +1396,7 @@ if __name__ == "__main__":
     ap.add_argument("--rl_steps", type=int, default=5, help="gpu: RL steps of configs/tiny_rl.py")
     ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
     ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
-                    "greedy_bf16, decode, rl); default all")
+                    "greedy_bf16, decode, graphs, rl); default all")
     args = ap.parse_args()
     if args.sections == ["gpu"]:
         sys.exit(gpu_bench(args.cpu, args.hbm_tbps, args.model_path, args.data_path, args.rl_steps, args.isolation,
@@ -1365,7 +1440,8 @@ if __name__ == "__main__":
             print_single_turn(res, square)
             print(f"square 2048^3 matmul: {square / 1e9:.1f} GFLOP/s")
             r = res[-1]
-            ratios = ", ".join(f"B={x['B']} x{x['t_hf'] / x['t_ours']:.2f}" for x in res)
+            ratios = ", ".join(f"B={x['B']} x{x['t_hf'] / x['t_ours']:.2f} (compiled x{x['t_hf'] / x['t_compiled']:.2f})"
+                               for x in res)
             fracs = ", ".join(f"B={x['B']} {100 * x['decode'] / x['t_ours'] / x['mix']:.0f}%" for x in res)
             print(f"goals: ours >= 1.5x transformers: {ratios} | ours >= 40% of the compute bound (mix): {fracs}")
             efficiency = efficiency or r["decode"] / r["t_ours"] / r["mix"]

@@ -27,7 +27,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -98,9 +98,10 @@ class Config:
 
     def to_dict(self, dtype):
         """the config.json that transformers (4.x and 5.x) reads back"""
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
-        d.update(architectures=[arch], hidden_act="silu", use_cache=True, use_sliding_window=False,
+        d = asdict(self)
+        # Qwen3ForCausalLM or Qwen2ForCausalLM
+        d.update(architectures=[f"{self.model_type.capitalize()}ForCausalLM"], hidden_act="silu",
+                 use_cache=True, use_sliding_window=False,
                  rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
                  torch_dtype=str(dtype).removeprefix("torch."))
         return d
@@ -152,8 +153,8 @@ def rope_cos_sin(positions, cfg, dtype):
     dims = torch.arange(0, cfg.head_dim, 2, device=positions.device).float()
     inv_freq = 1.0 / (cfg.rope_theta ** (dims / cfg.head_dim))  # (head_dim/2,)
     freqs = positions[..., None].float() * inv_freq  # (B, T, head_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
-    return emb.cos().to(dtype)[:, :, None], emb.sin().to(dtype)[:, :, None]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # (B, T, 1, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -163,16 +164,18 @@ def apply_rope(x, cos, sin):
 
 
 def sdpa(q, k, v, mask):
-    """q (B, H, T, hd), k/v (B, Hkv, S, hd), mask (B, T, S) bool (True = visible) or None = causal"""
+    """q (B, T, H, hd), k/v (B, S, Hkv, hd), mask (B, T, S) bool (True = visible) or None = causal
+    -> (B, T, H, hd)"""
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T or S, hd), the layout SDPA takes
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
     B, H, T, hd = q.shape
     rep = H // k.shape[1]
     # fold the query heads of each kv group into the query axis: K/V are read in place, never repeated per head
     q = q.reshape(B, k.shape[1], rep * T, hd)
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(1, rep, 1)[:, None])
     # reshape, not view: CUDA's kernels may return y in another memory layout (found on the first GPU)
-    return y.reshape(B, H, T, hd)
+    return y.reshape(B, H, T, hd).transpose(1, 2)
 
 
 def attend(q, k, v, att, layer_idx):
@@ -186,16 +189,16 @@ def attend(q, k, v, att, layer_idx):
         y = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)  # (N, H, hd)
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     if cache is None:
-        return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), att["mask"]).transpose(1, 2)
-    kc, vc, Hkv = cache.k[layer_idx], cache.v[layer_idx], k.shape[2]  # this layer's pool (KVCache: its layouts)
+        return sdpa(q, k, v, att["mask"])
+    kc, vc = cache.layers[layer_idx]  # this layer's pool (KVCache: its layouts)
+    Hkv = k.shape[2]
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
     # in pages the row does not hold, which belong to other rows); real selects them (all of them, decoding)
     news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
+    # the pool's pages and their tokens as one axis of slots: (slots, Hkv, hd) flash's, (Hkv, slots, hd) SDPA's
+    d = cache.page_dim - 1
     for c, new in zip((kc, vc), news):
-        if cache.flash:
-            c.view(-1, *c.shape[2:]).index_copy_(0, att["slots"], new)
-        else:
-            c.view(c.shape[0], -1, c.shape[-1]).index_copy_(1, att["slots"], new.transpose(0, 1))
+        c.flatten(d, d + 1).index_copy_(d, att["slots"], new.transpose(0, d))
     # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
     # i.e. up to lengths + t; padding reads table entries of page 0 that only pad queries see
     if cache.flash:
@@ -205,9 +208,12 @@ def attend(q, k, v, att, layer_idx):
     # are masked), or kept from the last forward: its stale rows gathered again, the others' new tokens
     # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
     if att["fresh"]:  # prompts: causal attention over the new tokens alone, nothing read from the pages
-        return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
-    kg, vg = cache.gather(layer_idx, att["table"], att["stale"])
-    if att["stale"] is not None:  # the kept rows take their new tokens (the stale ones got them from the pages)
+        return sdpa(q, k, v, None)
+    if "where" in att:  # the kept gather: all rows afresh, or only the stale ones when att has them
+        kg, vg = cache.gather(layer_idx, att["table"], att.get("stale"))
+    else:  # a static decode step (Qwen.static_step): every row's pages afresh, into fixed shapes, nothing kept
+        kg, vg = (c[:, att["table"]].flatten(2, 3) for c in (kc, vc))  # (Hkv, B, P * ps, hd)
+    if "stale" in att:  # the kept rows take their new tokens (the stale ones got them from the pages)
         for buf, new in zip((kg, vg), news):
             buf.view(Hkv, -1, hd).index_copy_(1, att["where"], new.transpose(0, 1))
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
@@ -218,9 +224,13 @@ def attend(q, k, v, att, layer_idx):
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
-        self.cfg, self.layer_idx = cfg, layer_idx
+        self.cfg = cfg
+        self.layer_idx = layer_idx
         qkv_bias = cfg.model_type == "qwen2" or cfg.attention_bias
-        H, Hkv, hd, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        H = cfg.num_attention_heads
+        Hkv = cfg.num_key_value_heads
+        hd = cfg.head_dim
+        D = cfg.hidden_size
         self.q_proj = nn.Linear(D, H * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
@@ -232,10 +242,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, att):
         B, T, _ = x.shape
         # q (B, T, H, hd), k and v (B, T, Hkv, hd)
-        q, k, v = (proj(x).view(B, T, -1, self.cfg.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (proj(x).view(B, T, -1, self.cfg.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.model_type == "qwen3":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         y = attend(q, k, v, att, self.layer_idx)  # (B, T, H, hd)
         return self.o_proj(y.reshape(B, T, -1))
 
@@ -296,6 +309,10 @@ class Qwen(nn.Module):
         # tied: no lm_head module at all, the embedding matrix is the head (state dict has no lm_head.weight)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        # one-token forwards (decode steps): "eager" (forward_cached as is) or static shapes (static_step) run
+        # "static", "compile" (inductor) or "graphs" (CUDA graphs); the inductor function, made on first use
+        self.decode_mode = "eager"
+        self.compiled = None
         # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
         for name, p in self.named_parameters():
             if p.is_meta:
@@ -308,17 +325,19 @@ class Qwen(nn.Module):
     def head_weight(self):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False, where=None):
+    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False,
+                where=None):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
         B, T = input_ids.shape
         for name, z in (("attention_mask", attention_mask), ("targets", targets), ("where", where)):
             if z is not None and z.shape != input_ids.shape:
                 raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        x = self.model.embed_tokens(input_ids)  # (B, T, D)
-        t = torch.arange(T, device=x.device)
-        flash = use_flash(x.device, x.dtype)
+        weight = self.model.embed_tokens.weight
+        t = torch.arange(T, device=weight.device)
+        flash = use_flash(weight.device, weight.dtype)
         if attention_mask is None and not flash:
-            positions, att = t.expand(B, T), dict(flash=False, mask=None)
+            positions = t.expand(B, T)
+            att = dict(flash=False, mask=None)
         else:
             m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
@@ -334,28 +353,26 @@ class Qwen(nn.Module):
                 seg = start.cumsum(1)  # (B, T) segment number within the row
                 causal = t[:, None] >= t[None, :]  # (T, T)
                 att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)  # (B, T, T)
-        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
-        # activation checkpointing: only a backward needs the recompute (not eval, nor a no_grad forward)
-        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
-        for layer in self.model.layers:
-            x = checkpoint(layer, x, cos, sin, att, use_reentrant=False) if recompute else layer(x, cos, sin, att)
-        x = self.model.norm(x)
+        x = self.run(input_ids, positions, att)  # (B, T, D)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
-        h, tg = x.reshape(B * T, -1), targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
+        h = x.reshape(B * T, -1)
+        tg = targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
         if where is not None:
             # the output layer only at the positions asked for (the loss's): in an RL batch most positions are
             # prompt, tool output or padding. With none asked for, position 0 still goes through the head, so
             # its weight joins the backward on every rank (FSDP reduces it everywhere), then is zeroed below
             picked = where.reshape(B * T).nonzero().squeeze(1)  # (N,)
             picked = picked if picked.numel() else picked.new_zeros(1)
-            h, tg = h[picked], tg[picked]
+            h = h[picked]
+            tg = tg[picked]
         # chunked head: each chunk's fp32 logits live only inside its checkpoint
         starts = range(0, len(h), chunk_size)
         # one list per chunk that its entropy goes into, once (see chunk_logprobs)
         ents = [[] if with_entropy else None for _ in starts]
-        out = [torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size], self.head_weight(),
-                                     e, use_reentrant=False) for i, e in zip(starts, ents)])]
+        out = [torch.cat([checkpoint(chunk_logprobs, h[i:i + chunk_size], tg[i:i + chunk_size],
+                                     self.head_weight(), e, use_reentrant=False)
+                          for i, e in zip(starts, ents)])]
         if with_entropy:
             out.append(torch.cat([e[0] for e in ents]))
         if where is not None:  # back to (B, T), 0 at every position not asked for
@@ -364,68 +381,139 @@ class Qwen(nn.Module):
         out = [z.view(B, T) for z in out]
         return tuple(out) if with_entropy else out[0]
 
+    def run(self, input_ids, positions, att, last=None):
+        """The layers, once forward or forward_cached has set up the attention (att): the final norm's output
+        (B, T, D), or (B, 1, D) at each row's position `last` (B,). Nothing in it changes shape on the Python
+        side, so a static decode step (static_step) compiles and captures it whole."""
+        x = self.model.embed_tokens(input_ids)  # (B, T, D)
+        cos, sin = rope_cos_sin(positions, self.cfg, x.dtype)
+        # activation checkpointing: only a backward needs the recompute (not eval, nor a no_grad forward)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
+        for layer in self.model.layers:
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, att, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, att)
+        if last is not None:
+            x = x[torch.arange(len(x)), last][:, None]  # (B, 1, D): each row's last real token
+        return self.model.norm(x)
+
     @torch.no_grad()  # decoding never needs grads, and in-place cache writes must not join a graph
     def forward_cached(self, input_ids, cache, rows, last_only=False, n_new=None):
         """T new tokens for each of B cache rows -> logits (B, T, V), or (B, 1, V) with last_only.
 
-        rows: a slice of rows or a LongTensor (B,) of distinct row indices, in any order.
+        rows: a slice of rows, a list or a LongTensor (B,) of distinct row indices, in any order.
         Row b's tokens get positions lengths[b] + arange(T); afterwards lengths[rows] += T.
         n_new (B,) ints, for prefilling rows of different lengths in one forward: only the first
         n_new[b] tokens of row b are real, the rest right padding (never written to the cache, never
         seen by a real token); lengths[rows] += n_new, and last_only picks each row's last real token.
         Every row must already hold pages for its real tokens (KVCache.grow: the caller decides who gets
         memory); the pool is never written outside a row's own pages.
+
+        One-token forwards (decode steps) run as self.decode_mode says: "eager", the default, as any
+        forward; or at static shapes (static_step) "static", "compile" or "graphs".
         """
         B, T = input_ids.shape
-        rows = torch.arange(cache.num_rows)[rows] if isinstance(rows, slice) else torch.as_tensor(rows).long().cpu()
+        rows = torch.arange(cache.num_rows)[rows]  # a slice, list or tensor of rows -> LongTensor (B,)
         if rows.shape != (B,) or len(set(rows.tolist())) != B:
             raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
         n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
         if n.shape != (B,) or not (1 <= n.min() and n.max() <= T):
             raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n.tolist()}")
-        held = cache.npages[rows] * cache.page_size  # (B,) token slots in each row's pages
-        if (lengths + n > held).any():
-            b = int((lengths + n > held).nonzero()[0])
+        # the rows without the pages their new tokens need
+        short = (lengths + n > cache.npages[rows] * cache.page_size).nonzero()[:, 0]
+        if len(short):
+            b = int(short[0])
             raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens in "
                              f"{int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more (max_len "
                              f"{cache.max_len}): grow the row first")
-        x = self.model.embed_tokens(input_ids)  # (B, T, D)
-        if (cache.k.dtype, cache.k.device) != (x.dtype, x.device):
-            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs {x.dtype} on {x.device}")
+        weight = self.model.embed_tokens.weight
+        if (cache.k.dtype, cache.k.device) != (weight.dtype, weight.device):
+            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs "
+                             f"{weight.dtype} on {weight.device}")
+        dev = weight.device
+        static = T == 1 and self.decode_mode != "eager"  # a decode step at static shapes: see static_step
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
-        ps, P = cache.page_size, cache.pages(int((lengths + T).max()))
+        ps = cache.page_size
+        P = cache.pages(int((lengths + T).max()))
+        if static:  # the pages read: a power of two, at most a whole row's
+            P = min(1 << (P - 1).bit_length(), cache.table.shape[1])
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
-        att = dict(cache=cache, slots=slots.to(x.device),
-                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(x.device),
-                   fresh=not lengths.any())  # fresh: rows with nothing in the cache yet (prompts)
+        if static:  # the rows: a power of two, the padding rows' token written into the pool's spare page
+            pad = (1 << (B - 1).bit_length()) - B
+            input_ids, pos, table = (F.pad(z, (0, 0, 0, pad)) for z in (input_ids, pos, table))
+            slots = F.pad(slots, (0, pad), value=cache.num_pages * ps)
+        att = dict(cache=cache, slots=slots.to(dev),
+                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(dev),
+                   fresh=not (static or lengths.any()))  # fresh: rows with nothing in the cache yet (prompts)
         if cache.flash:
-            att.update(table=table.to(x.device, torch.int32), seqlens=(lengths + T).to(x.device, torch.int32))
+            att.update(table=table.to(dev, torch.int32), seqlens=(pos[:, -1] + 1).to(dev, torch.int32))
         elif not att["fresh"]:
             mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
             # (one token per row, T = 1: the query heads share the one copy, broadcast)
             rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
-            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill_(~mask, float("-inf")).repeat(1, rep, 1)[None]
+            mask = torch.zeros(mask.shape, dtype=weight.dtype).masked_fill_(~mask, float("-inf"))
+            att.update(table=table.to(dev), mask=mask.repeat(1, rep, 1)[None].to(dev))
+        if not (static or cache.flash or att["fresh"]):
             # the keys gathered by the last forward (that went through the kept gather) are kept: with as many
-            # rows and pages, a row in the same place holding what it left there reads them, plus its new ones (a
-            # decode step, usually); the other rows (stale) are gathered afresh, all of them when the shape changed
-            now, (last_P, last) = list(zip(rows.tolist(), lengths.tolist())), cache.last or (0, [])
-            stale = None if (last_P, len(last)) != (P, B) else [b for b in range(B) if last[b] != now[b]]
-            cache.last = (P, list(zip(rows.tolist(), (lengths + n).tolist())))
-            where = (torch.arange(B)[:, None] * P * ps + pos)[real]  # (N,) each one's place in the kept gather
-            att.update(table=table.to(x.device), mask=mask.to(x.device), where=where.to(x.device),
-                       stale=stale if stale is None else torch.tensor(stale, dtype=torch.long, device=x.device))
-        cos, sin = rope_cos_sin(pos.to(x.device), self.cfg, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, att)
-        if last_only:
-            x = x[torch.arange(B), n - 1][:, None]  # (B, 1, D): each row's last real token
+            # rows and pages, a row in the same place holding what it left there reads them, plus its new
+            # ones (a decode step, usually); the other rows (stale) are gathered afresh, all of them when the
+            # shape changed. cache.last: those pages, and each place's (row, tokens)
+            now = torch.stack([rows, lengths], 1)  # (B, 2)
+            last_P, last = cache.last or (0, now[:0])
+            if (last_P, len(last)) == (P, B):
+                att["stale"] = (last != now).any(1).nonzero()[:, 0].to(dev)
+            cache.last = (P, torch.stack([rows, lengths + n], 1))
+            att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)  # (N,): places in the gather
+        if static:
+            x = self.static_step(input_ids, pos.to(dev), att)[:B]
+        else:
+            x = self.run(input_ids, pos.to(dev), att, n - 1 if last_only else None)
         cache.lengths[rows] += n
-        return F.linear(self.model.norm(x), self.head_weight())  # (B, T or 1, V)
+        return F.linear(x, self.head_weight())  # (B, T or 1, V)
+
+    def static_step(self, input_ids, pos, att):
+        """A one-token forward (a decode step) at fixed shapes, set up by forward_cached: the rows padded to a
+        power of two (their tokens written into a spare page), the page table to a power of two pages, every
+        row's pages gathered afresh (SDPA) or read through the table (flash-attn), no data-dependent branch.
+        self.decode_mode says how it runs: "static" eagerly; "compile" through inductor (torch.compile, on a
+        CPU too; the first step of each shape compiles); "graphs" as a CUDA graph per shape, captured at its
+        first step and replayed after, the inputs copied into the graph's own (vLLM's and SGLang's way of
+        launching a step's hundreds of small kernels at once). Returns the final norm's output (B, 1, D), which
+        forward_cached passes through the head at once (a later replay may overwrite it). The same tokens as
+        "eager" (tests/test_decode.py)."""
+        if self.decode_mode == "static":
+            return self.run(input_ids, pos, att)
+        if self.decode_mode == "compile":
+            self.compiled = self.compiled or torch.compile(self.run)
+            return self.compiled(input_ids, pos, att)
+        if self.decode_mode != "graphs" or not input_ids.is_cuda:
+            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static, compile or graphs (on a GPU)")
+        cache = att["cache"]
+        names = [k for k, v in att.items() if torch.is_tensor(v)]
+        inputs = [input_ids, pos] + [att[k] for k in names]
+        key = tuple(z.shape for z in inputs)
+        if key not in cache.graphs:
+            copies = [z.clone() for z in inputs]
+            args = (*copies[:2], {**att, **dict(zip(names, copies[2:]))})
+            # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does; its writes into the
+            # pool are the step's own, which the replay repeats
+            self.run(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=cache.graph_pool):
+                out = self.run(*args)
+            cache.graph_pool = graph.pool()  # the graphs of a cache share one memory pool
+            cache.graphs[key] = graph, copies, out
+        graph, copies, out = cache.graphs[key]
+        for copy, z in zip(copies, inputs):
+            copy.copy_(z)
+        graph.replay()
+        return out
 
 
 def compile_blocks(model):
@@ -496,19 +584,34 @@ class KVCache:
         self.flash = use_flash(device, dtype) and paged_flash(str(device), dtype)
         if self.flash and page_size % 256:  # flash_attn_with_kvcache's documented requirement
             raise ValueError(f"flash-attn's paged KV cache needs page_size a multiple of 256, got {page_size}")
-        self.num_rows, self.max_len, self.page_size = num_rows, max_len, page_size
+        self.num_rows = num_rows
+        self.max_len = max_len
+        self.page_size = page_size
         width = -(-max_len // page_size)  # pages of a full row
         self.num_pages = num_rows * width if num_pages is None else num_pages
         if self.num_pages < width:
             raise ValueError(f"a pool of {self.num_pages} pages of {page_size} tokens cannot hold one row of "
                              f"max_len {max_len}")
-        L, Hkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        pool = (self.num_pages, page_size, Hkv, hd) if self.flash else (Hkv, self.num_pages, page_size, hd)
+        L = cfg.num_hidden_layers
+        Hkv = cfg.num_key_value_heads
+        hd = cfg.head_dim
+        # one page more than the rows can hold: a static decode step writes its padding rows' tokens into it
+        pages = self.num_pages + 1
+        pool = (pages, page_size, Hkv, hd) if self.flash else (Hkv, pages, page_size, hd)
         self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
         self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, [(row, tokens) per place])
-        self.kept, self.buffers, self.last = [None] * L, [self.k.new_empty(0) for _ in range(L)], None
+        # layer i's pools (k, v) as views of their own: inductor writes a compiled step's tokens into these in
+        # place, but copies a pool whole when the step indexes the layer itself (x15 slower than eager at
+        # batch 32)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
+        # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, a (places, 2)
+        # tensor of each place's row and tokens), set by model.forward_cached
+        self.kept = [None] * L
+        self.buffers = [self.k.new_empty(0) for _ in range(L)]
+        self.last = None
+        self.graphs = {}  # static decode steps captured as CUDA graphs, by their shapes
+        self.graph_pool = None  # the memory pool those graphs share
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
         self.npages = torch.zeros(num_rows, dtype=torch.long)
@@ -544,9 +647,9 @@ class KVCache:
         self.npages[dst] = full
         if n % self.page_size:
             self.grow(dst, n)
-            a, b = self.table[src, full:full + 1].to(self.k.device), self.table[dst, full:full + 1].to(self.k.device)
+            pages = self.table[[src, dst], full].to(self.k.device)  # src's last page, dst's own copy of it
             for pool in (self.k, self.v):
-                pool.index_copy_(self.page_dim, b, pool.index_select(self.page_dim, a))
+                pool.index_copy_(self.page_dim, pages[1:], pool.index_select(self.page_dim, pages[:1]))
         self.lengths[dst] = n
 
     def gather(self, layer, table, stale=None):
@@ -559,14 +662,14 @@ class KVCache:
         here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
         (Hkv, _, ps, hd), (B, P) = self.k.shape[1:], table.shape
         if stale is not None:
-            for pool, buf in zip((self.k[layer], self.v[layer]), self.kept[layer] if len(stale) else ()):
+            for pool, buf in zip(self.layers[layer], self.kept[layer] if len(stale) else ()):
                 buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]  # (Hkv, stale rows, P, ps, hd)
             return self.kept[layer]
         n = Hkv * B * P * ps * hd
         if self.buffers[layer].numel() < 2 * n:
             self.buffers[layer] = self.k.new_empty(2 * n)
         bufs = self.buffers[layer][:2 * n].view(2, Hkv, B * P, ps, hd)  # keys, values
-        for pool, buf in zip((self.k[layer], self.v[layer]), bufs):
+        for pool, buf in zip(self.layers[layer], bufs):
             torch.index_select(pool, 1, table.flatten(), out=buf)
         self.kept[layer] = [buf.view(Hkv, B, P * ps, hd) for buf in bufs]
         return self.kept[layer]
@@ -574,12 +677,15 @@ class KVCache:
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
         if self.last:  # the kept gather's copy of the row is stale from now on
-            self.last = (self.last[0], [(r, -1 if r == row else t) for r, t in self.last[1]])
+            places = self.last[1]
+            places[places[:, 0] == row] = -1
         for page in self.table[row, :self.npages[row]].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:
                 self.free.append(page)
-        self.table[row], self.npages[row], self.lengths[row] = 0, 0, 0
+        self.table[row] = 0
+        self.npages[row] = 0
+        self.lengths[row] = 0
 
     def holds(self, row) -> bool:
         """whether row has any tokens in the cache"""
@@ -634,7 +740,8 @@ def load_weights(model, path, device=None):
                     continue  # some tied checkpoints store the head anyway
                 if name not in params:
                     raise KeyError(f"{file}: tensor {name!r} matches no parameter of the model")
-                p, sl = params[name], f.get_slice(name)
+                p = params[name]
+                sl = f.get_slice(name)
                 if tuple(sl.get_shape()) != tuple(p.shape):
                     raise ValueError(f"{file}: {name} has shape {sl.get_shape()}, the model expects {tuple(p.shape)}")
                 if isinstance(p, DTensor):
@@ -665,7 +772,8 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     params = dict(model.named_parameters())
     dtype = dtype or next(iter(params.values())).dtype
     # plan shards from global sizes, so every rank agrees without communication
-    shards, size = [[]], 0
+    shards = [[]]
+    size = 0
     for name, p in params.items():
         nbytes = p.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -678,7 +786,7 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     if rank0:
         os.makedirs(path, exist_ok=True)
         for old in os.listdir(path):  # a stale single file or index would shadow the new weights
-            if old.startswith("model") and (old.endswith(".safetensors") or old.endswith(".safetensors.index.json")):
+            if old.startswith("model") and old.endswith((".safetensors", ".safetensors.index.json")):
                 os.remove(os.path.join(path, old))
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(model.cfg.to_dict(dtype), f, indent=2)

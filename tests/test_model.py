@@ -385,8 +385,8 @@ def check_decoding(ours, page_size):
         for r in (0, 1, 2, 4):
             cache.release(r)
         assert cache.free_pages() == cache.num_pages and not any(cache.refs)
-        # k and v, 2 layers, 5 rows of ceil(24 / page_size) pages, fp32
-        slots = 5 * cache.pages(24) * page_size
+        # k and v, 2 layers, 5 rows of ceil(24 / page_size) pages + the spare page of static decode steps, fp32
+        slots = (5 * cache.pages(24) + 1) * page_size
         assert cache.k.nbytes + cache.v.nbytes == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
 
 
@@ -546,7 +546,7 @@ def test_sdpa_takes_whatever_memory_layout_the_kernel_returns(monkeypatch):
     (B, Hkv, rep*T, hd) output laid out as (B, rep*T, Hkv, hd), and unfolding the query heads assumed a
     contiguous result (.view). A CPU kernel returning that layout must give the same values."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, heads, 5, 8, generator=g) for heads in (6, 2, 2))  # GQA 3:1, 5 queries
+    q, k, v = (torch.randn(2, 5, heads, 8, generator=g) for heads in (6, 2, 2))  # GQA 3:1, 5 queries
     mask = torch.rand(2, 5, 5, generator=g) < 0.7
     mask[..., 0] = True  # every query sees a key
     expected = model_module.sdpa(q, k, v, mask)

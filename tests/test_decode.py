@@ -1,0 +1,88 @@
+"""Static-shape decode steps (model.Qwen.static_step, issue 45 item 1) against the eager path: the same tokens,
+greedy and sampled, through the whole engine (tool turns, preemption, rows joining and leaving), run eagerly at
+fixed shapes ("static") and through inductor ("compile"); the logits of padded buckets against forward_cached's."""
+import pytest
+import torch
+
+import agent
+from model import KVCache, load_model
+from rollout import Engine, Request, iter_claim
+from test_rollout import QUESTIONS, ForcedTurns, SlowTools, tiny  # noqa: F401 (tiny: the fixture)
+
+
+def rollouts(path, tok, mode, temperature):
+    """12 samples of 6 prompts with two tool turns each, in a pool small enough that rows are preempted: the
+    row set changes between decode steps, and tool answers are prefilled into rows that hold tokens"""
+    model = load_model(path)
+    model.decode_mode = mode
+    prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:6]]
+    reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
+    tools = SlowTools({"print(%d)" % v: 0.0 for v in range(20)})
+    engine = Engine(ForcedTurns(model, tok), tok, kv_capacity=640, max_len=320, temperature=temperature, seed=5,
+                    tools=tools, reserve=0.0, max_rows=12, page_size=4, deterministic=True)
+    trajs = {t.key: t for t in engine.run(iter_claim(reqs), 280)}
+    assert len(trajs) == 12 and engine.stats["preemptions"] > 0
+    return {k: (t.response_ids, t.mask, t.finish, t.turns) for k, t in trajs.items()}, engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_steps_give_the_eager_tokens(tiny, temperature):
+    path, tok, _ = tiny
+    eager, _ = rollouts(path, tok, "eager", temperature)
+    static, engine = rollouts(path, tok, "static", temperature)
+    assert static == eager
+    assert all(t == 3 for _, _, _, t in eager.values())  # every row made both tool calls
+    with pytest.raises(ValueError, match="graphs"):  # CUDA graphs need a GPU
+        engine.model.model.decode_mode = "graphs"
+        engine.generate([[1, 2, 3]], 2)
+
+
+@pytest.mark.slow
+def test_compiled_steps_give_the_eager_tokens(tiny):
+    """inductor on the CPU: the same trajectories, sampled, as the eager path (the compile takes a minute)"""
+    path, tok, _ = tiny
+    assert rollouts(path, tok, "compile", 1.0)[0] == rollouts(path, tok, "eager", 1.0)[0]
+
+
+def test_padded_buckets_match_forward_cached(tiny):
+    """3 and 5 rows of different lengths (padded to 4 and 8 rows, their pages to a power of two): the logits of
+    forward_cached's eager path, the padding rows' tokens only in the spare page, and an eager forward after
+    static steps (its rows in the kept gather are stale, gathered again) still right"""
+    path, _, _ = tiny
+    model = load_model(path)
+    g = torch.Generator().manual_seed(0)
+    caches = [KVCache(model.cfg, 6, 64, "cpu", torch.float32, page_size=4) for _ in range(2)]
+    for cache in caches:
+        for r, n in enumerate((5, 17, 9, 30, 2, 12)):
+            cache.grow(r, 64)
+    seqs = [torch.randint(0, 100, (n,), generator=g) for n in (5, 17, 9, 30, 2, 12)]
+    for cache in caches:
+        for r, s in enumerate(seqs):
+            model.forward_cached(s[None], cache, [r])
+    for rows in ([4, 1, 3], [0, 2, 5, 3, 1], [4, 1, 3]):
+        ids = torch.randint(0, 100, (len(rows), 1), generator=g)
+        out = []
+        for mode, cache in zip(("eager", "static"), caches):
+            model.decode_mode = mode
+            out.append(model.forward_cached(ids, cache, torch.tensor(rows)))
+        assert out[0].shape == out[1].shape == (len(rows), 1, model.cfg.vocab_size)
+        assert torch.allclose(out[0], out[1], atol=1e-5, rtol=1e-5)
+        # an eager forward (two tokens: no static step) reads the same keys in both caches
+        model.decode_mode = "eager"
+        two = torch.randint(0, 100, (len(rows), 2), generator=g)
+        a, b = (model.forward_cached(two, cache, torch.tensor(rows)) for cache in caches)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    # only the padding rows wrote into the spare page (the pool's last); the rows' own pages are alike
+    assert caches[0].k[:, :, -1].abs().sum() == 0 < caches[1].k[:, :, -1].abs().sum()
+    assert torch.allclose(caches[0].k[:, :, :-1], caches[1].k[:, :, :-1], atol=1e-5)
+
+
+def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
+    """bench.py gpu's section 3b (eager vs CUDA-graph decode steps) at toy sizes on the CPU, where the static
+    steps run eagerly: both sides at each batch, the same tokens, and the first (capturing) run timed apart"""
+    import bench
+    bench.random_qwen3(str(tmp_path), dry=True)
+    rows = bench.gpu_graphs(str(tmp_path), "cpu", True, (1, 3), 8, 6, None, lambda: None)
+    assert [(r["batch"], r["side"]) for r in rows] == [(1, "eager"), (1, "static"), (3, "eager"), (3, "static")]
+    assert all(r["same_tokens"] == r["rows"] == r["batch"] for r in rows)
+    assert [r["first_run_s"] is not None for r in rows] == [False, True, False, True]
