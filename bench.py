@@ -24,7 +24,9 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     and the lm_head, as F.linear, M = B rows), timed interleaved with the runs so it sees the same load;
     that is the bound a decode step can reach on this CPU. "square" = one 2048^3 matmul, the machine's
     best fp32 rate. The "+prefill" column also counts the prompt tokens' FLOPs as useful work; "steps"
-    is the decode steps alone (a run of 1 new token is timed too: it is the prefill).
+    is the decode steps alone (a run of 1 new token is timed too: it is the prefill). "ours compiled" is
+    the same engine with model.decode_mode = "compile" (issue 45: its decode steps at static shapes through
+    inductor; its first run, which compiles each shape, is timed apart), its tokens checked against eager's.
 (l) single-turn greedy where answers end at long-tailed lengths (lognormal, mean ~64 tokens, at most
     256; the end is forced as an <|im_end|> at each prompt's target length, the model's argmax decides
     the rest): 192 prompts. Ours: Engine.generate with 64 rows, a finished row admitting the next
@@ -51,7 +53,8 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     prompt alone (fp32 must agree in full; bf16's common prefix is reported); (3) bf16 decode tokens/s at batch
     1, 32 and 64, ours against `generate` on identical work and against the card's HBM roofline (weights + KV
     read once per step); (4) where flash-attn decodes through a page table, the same engine reading its pages
-    through SDPA; peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
+    through SDPA; (3b) the engine's decode steps eager against static-shape steps captured as CUDA graphs
+    (GraphedSteps, issue 45), ms per step, the same tokens; peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
     (needs out/tiny-sft and out/data from `bash run.sh`'s first two stages, or --model_path / --data_path).
 (u) the policy update of one tiny RL step, the way train_rl.py did it before issue 32 (pack, the output layer
     at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
@@ -1196,12 +1199,46 @@ def gpu_decode(path, dev, dry, batches, prompt_len, new, hbm, sync):
     return rows
 
 
+class GraphedSteps:
+    """Issue 45: model.Qwen.static_step's decode steps captured as CUDA graphs, one per shape (bucket of rows and
+    pages), captured at a shape's first step and replayed after, the step's inputs copied into the graph's own:
+    vLLM's and SGLang's way of launching a step's hundreds of small kernels at once. Set as a model's static_step
+    (decode_mode "static") for one KV cache: the graphs write into that cache's pools. It lives here, not in
+    model.py, until a GPU run shows its worth (model.py had no room for its ~215 code tokens)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.graphs = {}  # the inputs' shapes -> (the graph, its own inputs, its output)
+        self.pool = None  # the memory pool the graphs share
+
+    def __call__(self, input_ids, pos, att):
+        names = [k for k, v in att.items() if torch.is_tensor(v)]
+        inputs = [input_ids, pos] + [att[k] for k in names]
+        key = tuple(z.shape for z in inputs)
+        if key not in self.graphs:
+            copies = [z.clone() for z in inputs]
+            args = (*copies[:2], {**att, **dict(zip(names, copies[2:]))})
+            # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does; its writes into the
+            # pool are the step's own, which the replay repeats
+            self.model.run(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model.run(*args)
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, copies, out)
+        graph, copies, out = self.graphs[key]
+        for copy, z in zip(copies, inputs):
+            copy.copy_(z)
+        graph.replay()
+        return out  # forward_cached passes it through the head before the next replay overwrites it
+
+
 def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
-    graphs (model.decode_mode = "graphs": a graph per bucket of rows and pages, replayed), bf16, ms per decode step
-    (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each batch, which
-    captures its graphs, is timed apart; the tokens of both sides compared. --cpu: "static" (the same steps run
-    eagerly: a CPU has no graphs)."""
+    graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
+    decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
+    batch, which captures its graphs, is timed apart; the tokens of both sides compared. --cpu: "static" (the
+    same steps run eagerly: a CPU has no graphs)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
@@ -1214,14 +1251,19 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
         engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1), max_len=prompt_len + new + 1,
                         max_rows=B)
 
+        graphed = GraphedSteps(ours)  # this engine's graphs (they write into its cache)
+
         def run(n, side):
-            ours.decode_mode = side
+            ours.decode_mode = "eager" if side == "eager" else "static"
+            if side == "graphs":
+                ours.static_step = graphed
             try:
                 out = engine.generate(prompts, n)
                 sync()
                 return out
             finally:
                 ours.decode_mode = "eager"
+                ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
         t0 = time.perf_counter()
         static_tokens = run(new, mode)  # captures (or compiles) each bucket's step

@@ -74,7 +74,7 @@ class Config:
         with open(path) as f:
             d = json.load(f)
         if d.get("model_type") not in ("qwen3", "qwen2"):
-            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3 or qwen2)")
+            raise ValueError(f"{path}: model_type {d.get('model_type')!r} is not supported (qwen3, qwen2)")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act {d['hidden_act']!r} is not supported (silu)")
         if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or []):
@@ -83,10 +83,10 @@ class Config:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"{path}: rope scaling {rope} is not supported (plain rope only)")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in d]
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in d]
         if missing:
-            raise ValueError(f"{path}: no {', '.join(missing)} (the sizes must be stated: no 14B default)")
+            raise ValueError(f"{path}: no {', '.join(missing)} (sizes must be stated: no 14B default)")
         # every field the file sets (null = unset: the default above), then the three whose fallback
         # follows from other fields or from HF's own default rather than from this dataclass
         fields = {k: d[k] for k in cls.__dataclass_fields__ if d.get(k) is not None}
@@ -122,11 +122,12 @@ def paged_flash(device, dtype):
     try:
         q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (1, 256))
         one = torch.ones(1, dtype=torch.int32, device=device)
-        flash_attn_with_kvcache(q, k, k, cache_seqlens=one, block_table=one.view(1, 1) - 1, causal=True)
+        flash_attn_with_kvcache(q, k, k, cache_seqlens=one, block_table=one.view(1, 1) - 1,
+                                causal=True)
         return True
     except Exception as e:  # noqa: BLE001 (any failure means: do not decode through it)
-        print(f"model: flash-attn cannot decode through a page table here ({type(e).__name__}: {e}); "
-              "the KV cache is read through SDPA (slower, the same results)", flush=True)
+        print(f"model: flash-attn cannot decode through a page table here ({type(e).__name__}: {e});"
+              " the KV cache is read through SDPA (slower, the same results)", flush=True)
         return False
 
 
@@ -166,9 +167,11 @@ def apply_rope(x, cos, sin):
 def sdpa(q, k, v, mask):
     """q (B, T, H, hd), k/v (B, S, Hkv, hd), mask (B, T, S) bool (True = visible) or None = causal
     -> (B, T, H, hd)"""
-    q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T or S, hd), the layout SDPA takes
+    # (B, heads, T or S, hd), the layout SDPA takes
+    q, k, v = (z.transpose(1, 2) for z in (q, k, v))
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=True).transpose(1, 2)
     B, H, T, hd = q.shape
     rep = H // k.shape[1]
     # fold the query heads of each kv group into the query axis: K/V are read in place, never repeated per head
@@ -202,22 +205,26 @@ def attend(q, k, v, att, layer_idx):
     # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
     # i.e. up to lengths + t; padding reads table entries of page 0 that only pad queries see
     if cache.flash:
-        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"], block_table=att["table"],
-                                       causal=True)
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"],
+                                       block_table=att["table"], causal=True)
     # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
     # are masked), or kept from the last forward: its stale rows gathered again, the others' new tokens
     # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
-    if att["fresh"]:  # prompts: causal attention over the new tokens alone, nothing read from the pages
+    # prompts: causal attention over the new tokens alone, nothing read from the pages
+    if att["fresh"]:
         return sdpa(q, k, v, None)
     if "where" in att:  # the kept gather: all rows afresh, or only the stale ones when att has them
         kg, vg = cache.gather(layer_idx, att["table"], att.get("stale"))
-    else:  # a static decode step (Qwen.static_step): every row's pages afresh, into fixed shapes, nothing kept
+    else:
+        # a static decode step (Qwen.static_step): every row's pages afresh, into fixed shapes, nothing kept
         kg, vg = (c[:, att["table"]].flatten(2, 3) for c in (kc, vc))  # (Hkv, B, P * ps, hd)
-    if "stale" in att:  # the kept rows take their new tokens (the stale ones got them from the pages)
+    # the kept rows take their new tokens (the stale ones got them from the pages)
+    if "stale" in att:
         for buf, new in zip((kg, vg), news):
             buf.view(Hkv, -1, hd).index_copy_(1, att["where"], new.transpose(0, 1))
     qg = q.transpose(1, 2).reshape(B, Hkv, -1, hd).transpose(0, 1)  # (Hkv, B, rep * T, hd)
-    y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])  # mask (1, B, rep * T, keys)
+    # mask (1, B, rep * T, keys)
+    y = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=att["mask"])
     return y.transpose(0, 1).reshape(B, H, T, hd).transpose(1, 2)
 
 
@@ -307,10 +314,11 @@ class Qwen(nn.Module):
             norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
         ))
         # tied: no lm_head module at all, the embedding matrix is the head (state dict has no lm_head.weight)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                       bias=False)
         self.gradient_checkpointing = False
         # one-token forwards (decode steps): "eager" (forward_cached as is) or static shapes (static_step) run
-        # "static", "compile" (inductor) or "graphs" (CUDA graphs); the inductor function, made on first use
+        # "static" or "compile" (inductor); the inductor function, made on first use
         self.decode_mode = "eager"
         self.compiled = None
         # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
@@ -325,13 +333,14 @@ class Qwen(nn.Module):
     def head_weight(self):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024, with_entropy=False,
-                where=None):
+    def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024,
+                with_entropy=False, where=None):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
         B, T = input_ids.shape
         for name, z in (("attention_mask", attention_mask), ("targets", targets), ("where", where)):
             if z is not None and z.shape != input_ids.shape:
-                raise ValueError(f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"{name} shape {tuple(z.shape)} != input_ids shape {tuple(input_ids.shape)}")
         weight = self.model.embed_tokens.weight
         t = torch.arange(T, device=weight.device)
         flash = use_flash(weight.device, weight.dtype)
@@ -343,16 +352,20 @@ class Qwen(nn.Module):
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
             start = torch.ones_like(m, dtype=torch.bool)  # (B, T) True where a segment begins
             start[:, 1:] = m[:, 1:] != m[:, :-1]
-            positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values  # (B, T) restart per segment
+            # (B, T), restarting per segment
+            positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values
             if flash:
                 idx = (m.reshape(-1) != 0).nonzero().squeeze(1)  # (N,) flat indices of real tokens
-                seg_starts = start.reshape(-1)[idx].nonzero().squeeze(1)  # where each segment begins among them
-                cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()  # (S + 1,) cumulative lengths
+                # where each segment begins among them
+                seg_starts = start.reshape(-1)[idx].nonzero().squeeze(1)
+                # (S + 1,) cumulative lengths
+                cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()
                 att = dict(flash=True, varlen=(idx, cu, int((cu[1:] - cu[:-1]).max())))
             else:
                 seg = start.cumsum(1)  # (B, T) segment number within the row
                 causal = t[:, None] >= t[None, :]  # (T, T)
-                att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)  # (B, T, T)
+                # (B, T, T)
+                att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)
         x = self.run(input_ids, positions, att)  # (B, T, D)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
@@ -377,7 +390,8 @@ class Qwen(nn.Module):
             out.append(torch.cat([e[0] for e in ents]))
         if where is not None:  # back to (B, T), 0 at every position not asked for
             asked = where.reshape(B * T)[picked].bool()
-            out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0)) for z in out]
+            out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0))
+                   for z in out]
         out = [z.view(B, T) for z in out]
         return tuple(out) if with_entropy else out[0]
 
@@ -411,10 +425,11 @@ class Qwen(nn.Module):
         memory); the pool is never written outside a row's own pages.
 
         One-token forwards (decode steps) run as self.decode_mode says: "eager", the default, as any
-        forward; or at static shapes (static_step) "static", "compile" or "graphs".
+        forward; or at static shapes (static_step) "static" or "compile".
         """
         B, T = input_ids.shape
-        rows = torch.arange(cache.num_rows)[rows]  # a slice, list or tensor of rows -> LongTensor (B,)
+        # a slice, list or tensor of rows -> LongTensor (B,)
+        rows = torch.arange(cache.num_rows)[rows]
         if rows.shape != (B,) or len(set(rows.tolist())) != B:
             raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
         lengths = cache.lengths[rows]  # (B,) on CPU
@@ -425,15 +440,16 @@ class Qwen(nn.Module):
         short = (lengths + n > cache.npages[rows] * cache.page_size).nonzero()[:, 0]
         if len(short):
             b = int(short[0])
-            raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens in "
-                             f"{int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more (max_len "
-                             f"{cache.max_len}): grow the row first")
+            raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens "
+                             f"in {int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more "
+                             f"(max_len {cache.max_len}): grow the row first")
         weight = self.model.embed_tokens.weight
         if (cache.k.dtype, cache.k.device) != (weight.dtype, weight.device):
             raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs "
                              f"{weight.dtype} on {weight.device}")
         dev = weight.device
-        static = T == 1 and self.decode_mode != "eager"  # a decode step at static shapes: see static_step
+        # a decode step at static shapes: see static_step
+        static = T == 1 and self.decode_mode != "eager"
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
         ps = cache.page_size
@@ -442,18 +458,23 @@ class Qwen(nn.Module):
             P = min(1 << (P - 1).bit_length(), cache.table.shape[1])
         table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
-        slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]  # (N,) flat pool index of each real token
-        if static:  # the rows: a power of two, the padding rows' token written into the pool's spare page
+        # (N,) the flat pool index of each real token
+        slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]
+        # the rows: a power of two, the padding rows' token written into the pool's spare page
+        if static:
             pad = (1 << (B - 1).bit_length()) - B
             input_ids, pos, table = (F.pad(z, (0, 0, 0, pad)) for z in (input_ids, pos, table))
             slots = F.pad(slots, (0, pad), value=cache.num_pages * ps)
         att = dict(cache=cache, slots=slots.to(dev),
                    real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(dev),
-                   fresh=not (static or lengths.any()))  # fresh: rows with nothing in the cache yet (prompts)
+                   # fresh: rows with nothing in the cache yet (prompts)
+                   fresh=not (static or lengths.any()))
         if cache.flash:
-            att.update(table=table.to(dev, torch.int32), seqlens=(pos[:, -1] + 1).to(dev, torch.int32))
+            att.update(table=table.to(dev, torch.int32),
+                       seqlens=(pos[:, -1] + 1).to(dev, torch.int32))
         elif not att["fresh"]:
-            mask = torch.arange(P * ps) <= pos[:, :, None]  # (B, T, P * ps): key j visible to new token t
+            # (B, T, P * ps): key j visible to new token t
+            mask = torch.arange(P * ps) <= pos[:, :, None]
             # as the additive mask SDPA makes of it, once for all layers, one copy per query head of a kv group
             # (one token per row, T = 1: the query heads share the one copy, broadcast)
             rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
@@ -469,7 +490,8 @@ class Qwen(nn.Module):
             if (last_P, len(last)) == (P, B):
                 att["stale"] = (last != now).any(1).nonzero()[:, 0].to(dev)
             cache.last = (P, torch.stack([rows, lengths + n], 1))
-            att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)  # (N,): places in the gather
+            # (N,): each new token's place in the kept gather
+            att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)
         if static:
             x = self.static_step(input_ids, pos.to(dev), att)[:B]
         else:
@@ -481,39 +503,20 @@ class Qwen(nn.Module):
         """A one-token forward (a decode step) at fixed shapes, set up by forward_cached: the rows padded to a
         power of two (their tokens written into a spare page), the page table to a power of two pages, every
         row's pages gathered afresh (SDPA) or read through the table (flash-attn), no data-dependent branch.
+        Returns the final norm's output (B, 1, D), which forward_cached passes through the head at once.
         self.decode_mode says how it runs: "static" eagerly; "compile" through inductor (torch.compile, on a
-        CPU too; the first step of each shape compiles); "graphs" as a CUDA graph per shape, captured at its
-        first step and replayed after, the inputs copied into the graph's own (vLLM's and SGLang's way of
-        launching a step's hundreds of small kernels at once). Returns the final norm's output (B, 1, D), which
-        forward_cached passes through the head at once (a later replay may overwrite it). The same tokens as
-        "eager" (tests/test_decode.py)."""
+        CPU too; the first step of each shape compiles). The same tokens as "eager" (tests/test_decode.py).
+
+        On a GPU these steps are what CUDA graphs capture, a graph per shape (vLLM's and SGLang's way of
+        launching a step's hundreds of small kernels at once): bench.py's GraphedSteps does it, set as a
+        model's static_step, for `bench.py gpu` (section 3b) to measure. It stays there until a GPU run shows
+        its worth: here it cost ~215 code tokens the core's ceiling has no room for."""
         if self.decode_mode == "static":
             return self.run(input_ids, pos, att)
-        if self.decode_mode == "compile":
-            self.compiled = self.compiled or torch.compile(self.run)
-            return self.compiled(input_ids, pos, att)
-        if self.decode_mode != "graphs" or not input_ids.is_cuda:
-            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static, compile or graphs (on a GPU)")
-        cache = att["cache"]
-        names = [k for k, v in att.items() if torch.is_tensor(v)]
-        inputs = [input_ids, pos] + [att[k] for k in names]
-        key = tuple(z.shape for z in inputs)
-        if key not in cache.graphs:
-            copies = [z.clone() for z in inputs]
-            args = (*copies[:2], {**att, **dict(zip(names, copies[2:]))})
-            # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does; its writes into the
-            # pool are the step's own, which the replay repeats
-            self.run(*args)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=cache.graph_pool):
-                out = self.run(*args)
-            cache.graph_pool = graph.pool()  # the graphs of a cache share one memory pool
-            cache.graphs[key] = graph, copies, out
-        graph, copies, out = cache.graphs[key]
-        for copy, z in zip(copies, inputs):
-            copy.copy_(z)
-        graph.replay()
-        return out
+        if self.decode_mode != "compile":
+            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static or compile")
+        self.compiled = self.compiled or torch.compile(self.run)
+        return self.compiled(input_ids, pos, att)
 
 
 def compile_blocks(model):
@@ -537,7 +540,8 @@ def collate(seqs, device, packed):
     FSDP collectives)."""
     if not seqs:
         # RL's keys
-        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "engine_logprobs": [0.0], "traj_index": [0]}]
+        seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "engine_logprobs": [0.0],
+                 "traj_index": [0]}]
     lengths = [len(s["ids"]) for s in seqs]
     cols = {k: [np.asarray(s[k]) for s in seqs] for k in seqs[0]}
     if packed:
@@ -551,7 +555,8 @@ def collate(seqs, device, packed):
             for k, v in out.items()}
 
 
-def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False, where=None):
+def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False,
+                   where=None):
     """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
 
     where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
@@ -559,8 +564,8 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
     Goes through model(...) so FSDP's hooks gather the head weights as for any forward (which checks the shapes).
     """
-    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size, with_entropy=with_entropy,
-                 where=where)
+    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size,
+                 with_entropy=with_entropy, where=where)
 
 
 # -----------------------------------------------------------------------------
@@ -610,10 +615,9 @@ class KVCache:
         self.kept = [None] * L
         self.buffers = [self.k.new_empty(0) for _ in range(L)]
         self.last = None
-        self.graphs = {}  # static decode steps captured as CUDA graphs, by their shapes
-        self.graph_pool = None  # the memory pool those graphs share
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
-        self.table = torch.zeros((num_rows, width), dtype=torch.long)  # unused entries: page 0, never written
+        # unused entries: page 0, never written
+        self.table = torch.zeros((num_rows, width), dtype=torch.long)
         self.npages = torch.zeros(num_rows, dtype=torch.long)
         self.refs = [0] * self.num_pages  # rows holding each page
         self.free = list(range(self.num_pages))[::-1]  # pop() hands out the lowest page first
@@ -647,9 +651,11 @@ class KVCache:
         self.npages[dst] = full
         if n % self.page_size:
             self.grow(dst, n)
-            pages = self.table[[src, dst], full].to(self.k.device)  # src's last page, dst's own copy of it
+            # src's last page, dst's own copy of it
+            pages = self.table[[src, dst], full].to(self.k.device)
             for pool in (self.k, self.v):
-                pool.index_copy_(self.page_dim, pages[1:], pool.index_select(self.page_dim, pages[:1]))
+                pool.index_copy_(self.page_dim, pages[1:],
+                                 pool.index_select(self.page_dim, pages[:1]))
         self.lengths[dst] = n
 
     def gather(self, layer, table, stale=None):
@@ -663,7 +669,8 @@ class KVCache:
         (Hkv, _, ps, hd), (B, P) = self.k.shape[1:], table.shape
         if stale is not None:
             for pool, buf in zip(self.layers[layer], self.kept[layer] if len(stale) else ()):
-                buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]  # (Hkv, stale rows, P, ps, hd)
+                # (Hkv, stale rows, P, ps, hd)
+                buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]
             return self.kept[layer]
         n = Hkv * B * P * ps * hd
         if self.buffers[layer].numel() < 2 * n:
@@ -702,7 +709,8 @@ def weight_files(path):
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            return [os.path.join(path, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+            return [os.path.join(path, name)
+                    for name in sorted(set(json.load(f)["weight_map"].values()))]
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
@@ -743,17 +751,20 @@ def load_weights(model, path, device=None):
                 p = params[name]
                 sl = f.get_slice(name)
                 if tuple(sl.get_shape()) != tuple(p.shape):
-                    raise ValueError(f"{file}: {name} has shape {sl.get_shape()}, the model expects {tuple(p.shape)}")
+                    raise ValueError(f"{file}: {name} has shape {sl.get_shape()}, the model "
+                                     f"expects {tuple(p.shape)}")
+                # the rows of the tensor this rank holds, from row `start`: all of them unless sharded
+                local = p
+                start = 0
                 if isinstance(p, DTensor):
                     if tuple(p.placements) != (Shard(0),):
-                        raise ValueError(f"{name}: load_weights reads Shard(0) DTensors only, got {p.placements}")
+                        raise ValueError(f"{name}: load_weights reads Shard(0) DTensors only, got "
+                                         f"{p.placements}")
                     # FSDP2 shards dim 0 like torch.chunk: rank r owns rows [r*c, r*c + local rows)
                     local = p.to_local()
                     start = p.device_mesh.get_local_rank() * math.ceil(p.shape[0] / p.device_mesh.size())
-                    if local.shape[0] > 0:
-                        local.copy_(sl[start:start + local.shape[0]])
-                else:
-                    p.copy_(f.get_tensor(name))
+                if local.shape[0] > 0:
+                    local.copy_(sl[start:start + local.shape[0]])
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -786,7 +797,8 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     if rank0:
         os.makedirs(path, exist_ok=True)
         for old in os.listdir(path):  # a stale single file or index would shadow the new weights
-            if old.startswith("model") and old.endswith((".safetensors", ".safetensors.index.json")):
+            if old.startswith("model") and old.endswith((".safetensors",
+                                                         ".safetensors.index.json")):
                 os.remove(os.path.join(path, old))
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(model.cfg.to_dict(dtype), f, indent=2)
