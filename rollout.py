@@ -26,9 +26,12 @@ this over-commits with preemption as vLLM / SGLang do, which §3.2 sets out to a
   sandbox pool (running on a background thread) and the row is *parked* with its KV kept; other rows
   keep decoding. When the answers arrive, the tool-response tokens (+ the next
   `<|im_start|>assistant\\n<reason>`) are prefilled into the row and it resumes.
-- one response budget per trajectory counts model and tool tokens together (the released code's
-  rule; the paper does not say); finish
-  reasons: `stop` (a turn without tool calls), `length` (budget), `max_turns`.
+- a turn without a tool call ends the row, unless the trajectory's environment has a respond(turn_text)
+  method (a referee, a simulated user: tasks/guess.py): its answer is appended as the next user turn (mask
+  0) and the row decodes on, parked like a row with tool calls; None from it ends the row.
+- one response budget per trajectory counts model and tool tokens (and environment replies) together (the
+  released code's rule; the paper does not say); finish
+  reasons: `stop` (a turn without tool calls, or the environment's end), `length` (budget), `max_turns`.
 - every row samples with its own torch.Generator seeded from (seed, step, prompt index, sample
   index), so a rollout does not depend on which other rows share its batch, or on preemption.
 
@@ -74,8 +77,9 @@ class Trajectory:
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
     meta: dict = field(default_factory=dict)
-    # the trajectory's own environment (Request.environment made it): its stateful tools change it, the task's
-    # grade reads its final state; closed when the trajectory ends (Engine.run)
+    # the trajectory's own environment (Request.environment made it): its stateful tools change it, its respond()
+    # (if any) answers turns without a call, the task's grade reads its final state; closed when the trajectory
+    # ends (Engine.run)
     environment: object = None
 
 
@@ -104,6 +108,8 @@ class Row:
         self.pending = list(req.prompt_ids)
         self.logits = None  # (V,) logits to sample the next token from
         self.calls = []  # while parked: list of (record, future or None)
+        # while parked on no call: the environment's answer to the turn (Engine.end_turn)
+        self.reply = None
         # while parked: when (time.monotonic) calls still unanswered are answered "timeout"
         self.deadline = 0.0
         self.dropped = 0  # tokens preemption took out of the KV, to be prefilled again
@@ -403,15 +409,15 @@ class Engine:
                 # 2. parked rows whose tool answers have all arrived, or whose calls ran out of time, get them
                 # appended
                 todo = []
+                # the rows parked on their tool calls, and their calls still out (step 5 waits on those
+                # too when no row decodes)
+                parked = [row for row in rows.values() if row.state == TOOLS]
+                futures = [future for row in parked for _, future in row.calls if future is not None]
                 if self.deterministic:
                     # every answer first (or every deadline passed), so which rows share the next forward does not
                     # depend on timing
-                    concurrent.futures.wait([future for row in rows.values() if row.state == TOOLS
-                                             for _, future in row.calls if future],
-                                            timeout=self.call_timeout)
+                    concurrent.futures.wait(futures, timeout=self.call_timeout)
                 now = time.monotonic()
-                # the rows parked on their tool calls
-                parked = [row for row in rows.values() if row.state == TOOLS]
                 for row in parked:
                     answered = all(future is None or future.done() for _, future in row.calls)
                     if now >= row.deadline or answered:
@@ -426,9 +432,6 @@ class Engine:
                     self.prefill(todo)
                 # 5. sample one token for every row that has logits, then one batched decode step
                 ready = [row for row in rows.values() if row.logits is not None]
-                # the calls still out, waited on below when there is nothing to decode
-                futures = [future for row in rows.values() if row.state == TOOLS
-                           for _, future in row.calls if future is not None]
                 if ready:
                     for row, token, logprob in zip(ready, *self.sample(ready, temperature)):
                         self.step_row(row, token, logprob, tools)
@@ -589,16 +592,22 @@ class Engine:
             traj.finish = "length"
 
     def end_turn(self, row, tools):
-        """Parse the finished turn: no tool call ends the trajectory (so does the turn limit); else the
-        row is parked on its calls, which go to the sandbox pool, and the other rows keep decoding."""
+        """Parse the finished turn: no tool call ends the trajectory (so does the turn limit), unless
+        the trajectory's environment answers the turn (respond(text): the next user turn's text, None:
+        the end); else the row is parked on its calls, which go to the sandbox pool (or on the
+        environment's reply), and the other rows keep decoding."""
         traj = row.traj
         # the row's task's tools
         table = self.tool_table if row.req.tools is None else row.req.tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
         # Plain completions (generate, use_tools=False) decode and parse nothing: a turn is the whole answer
-        calls = [] if tools is None else agent.parse_tool_calls(
-            self.tok.decode(traj.response_ids[row.turn_start:]), self.max_calls, table)
-        if not calls:
+        text = None if tools is None else self.tok.decode(traj.response_ids[row.turn_start:])
+        calls = agent.parse_tool_calls(text, self.max_calls, table) if text else []
+        # a turn without a call: the trajectory's environment may answer it (a referee, a simulated
+        # user) with the next user turn, or end the episode (None). It sees the turn at the turn limit too
+        respond = getattr(traj.environment, "respond", None)
+        row.reply = respond(text) if respond and text and not calls else None
+        if not calls and row.reply is None:
             traj.finish = "stop"
         elif traj.turns >= self.max_turns:
             traj.finish = "max_turns"
@@ -612,8 +621,8 @@ class Engine:
             self.log("tool_start", row, n=len(calls))
 
     def resume(self, row):
-        """Append the tool answers; returns the row's prefill (its last sampled token + the answers) when it
-        is in the KV. Nothing when they do not fit its budget."""
+        """Append the tool answers (or the environment's reply); returns the row's prefill (its last
+        sampled token + the answers) when it is in the KV. Nothing when they do not fit its budget."""
         traj = row.traj
         # every call's record gets its answer: status, duration and the text the model will read; a call still
         # unanswered at the deadline is answered "timeout" (its late answer, if any, is never read)
@@ -626,7 +635,14 @@ class Engine:
                               output=agent.tool_response_text(result, self.tool_max_chars))
             traj.tool_calls.append(record)
         # the tool turn in the release's format, then `<|im_start|>assistant\n<reason>` for the next turn
-        suffix = agent.tool_suffix_ids(self.tok, [record["output"] for record, _ in row.calls])
+        responses = [record["output"] for record, _ in row.calls]
+        if responses:
+            suffix = agent.tool_suffix_ids(self.tok, responses)
+        else:
+            # no call: the environment's reply, as a user turn of the chat template (right after the
+            # model's <|im_end|>, as the tool turn is)
+            reply = f"<|im_start|>user\n{row.reply}{agent.END}\n{agent.GENERATION_PROMPT}"
+            suffix = self.tok.encode(reply, add_special_tokens=False)
         row.calls = []
         self.log("tool_done", row)
         # stop before appending: a trajectory always ends on a model turn

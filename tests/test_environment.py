@@ -288,3 +288,86 @@ def test_the_grid_world_trains_from_traces_of_the_real_environment(tmp_path):
     # a math row is offered the Python tool only: a move there is an unknown tool, a failed call
     assert all(c["status"] == "invalid" for r in math_records for c in r["tool_calls"] if "move" in json.dumps(c))
     assert metrics["tool/calls/move"] > 0 and "task/gridworld/tool_err" in metrics
+
+
+# ----------------------------------------------------------------------------- an environment that answers turns
+
+GUESS = grading.load_task("tasks/guess.py")
+GUESS_ROW = {"question": "Guess my number from 1 to 16: one guess a turn, in <answer>\\boxed{}</answer>.",
+             "secret": 11, "high": 16}
+
+
+def guess(n):
+    return f"I guess.</reason>\n<answer>\\boxed{{{n}}}</answer><|im_end|>"
+
+
+def referee_run(tiny, scripts, budget=300, max_turns=4):
+    """Each sample's turns (scripts: sample index -> turns) through the real engine, one Referee each."""
+    model, tok = tiny
+    prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
+    reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, **grading.rollout_seam(GUESS_ROW, GUESS))
+            for s in scripts]
+    engine = Scripted(model, tok, kv_capacity=4 * 2000, max_len=len(prompt) + budget, tools=NO_SANDBOX,
+                      max_turns=max_turns, call_timeout=0.5)
+    engine.scripts = {(0, 0, s): turns for s, turns in scripts.items()}
+    return engine, {t.key[2]: t for t in engine.run(iter_claim(reqs), budget)}
+
+
+def test_a_referee_answers_turns_without_calls_and_ends_the_episode(tiny):
+    scripts = {0: [guess(8), guess(12), guess(10), guess(11)],  # binary search: found in 4
+               1: ["I am not sure.</reason>\nmaybe eleven<|im_end|>", guess(11)],  # no integer, then found
+               2: [guess(1), guess(2), guess(3), guess(4), guess(5)]}  # the turn limit (4) ends it
+    engine, trajs = referee_run(tiny, scripts)
+    tok = engine.tok
+    referees = {s: t.environment for s, t in trajs.items()}
+    assert len({id(r) for r in referees.values()}) == 3 and all(r.closed for r in referees.values())
+    assert referees[0].guesses == [8, 12, 10, 11] and referees[1].guesses == [None, 11]
+    # the turn at the limit is shown to the referee, its answer is not appended
+    assert referees[2].guesses == [1, 2, 3, 4]
+    assert [trajs[s].finish for s in (0, 1, 2)] == ["stop", "stop", "max_turns"]
+    assert [trajs[s].turns for s in (0, 1, 2)] == [4, 2, 4] and all(not t.tool_calls for t in trajs.values())
+    # the referee's words are user turns in the chat template's format, mask 0; every sampled token is mask 1
+    runs = agent.mask_runs(tok, trajs[0].response_ids, trajs[0].mask)
+    user = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<reason>"
+    assert [text for text, m in runs if not m] == [user.format(w) for w in ("higher", "lower", "higher")]
+    assert [text for text, m in runs if m] == scripts[0]
+    assert user.format("Answer with one integer from 1 to 16 in <answer>\\boxed{}</answer>.") in tok.decode(
+        trajs[1].response_ids)
+    assert all(lp == 0.0 for t in trajs.values() for lp, m in zip(t.logprobs, t.mask) if not m)
+    # the reward reads the referee: 5 guesses always suffice for 1..16; 4 and 2 earn the whole reward
+    grader = grading.Grader(tok, task=GUESS, rows=[GUESS_ROW])
+    for traj in trajs.values():
+        grader(traj)
+    grades = grader.results()
+    grader.close()
+    assert [grades[(0, 0, s)]["reward"] for s in (0, 1, 2)] == [1.0, 1.0, 0.0]
+    assert GUESS.grade(GUESS_ROW, "11", [], None, types.SimpleNamespace(environment=types.SimpleNamespace(
+        secret=11, high=16, guesses=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]))) == (5 / 11, True)
+
+
+def test_a_referees_answers_count_against_the_budget(tiny):
+    # the same game with a budget that ends 2 tokens into the third reply: that reply does not fit, and ends the
+    # trajectory ("length") after the third guess, as a tool answer that does not fit does
+    scripts = {0: [guess(8), guess(12), guess(10), guess(11)]}
+    _, full = referee_run(tiny, scripts)
+    third = [i for i in range(1, len(full[0].mask)) if full[0].mask[i - 1] and not full[0].mask[i]][2]
+    _, trajs = referee_run(tiny, scripts, budget=third + 2, max_turns=10)
+    assert (trajs[0].finish, trajs[0].response_ids) == ("length", full[0].response_ids[:third])
+    assert trajs[0].environment.guesses == [8, 12, 10] and trajs[0].environment.closed
+
+
+def test_without_respond_a_turn_without_a_call_ends_the_episode(tiny):
+    # a task whose environment has no respond(): the first turn without a call stops, as the math task's does
+    class Silent:
+        def __init__(self, row):
+            self.closed = False
+
+        def close(self):
+            self.closed = True
+    model, tok = tiny
+    prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
+    engine = Scripted(model, tok, kv_capacity=4000, max_len=len(prompt) + 200, tools=NO_SANDBOX, call_timeout=0.5)
+    engine.scripts = {(0, 0, 0): [guess(8), guess(11)]}
+    [traj] = engine.run(iter_claim([Request(prompt, key=(0, 0, 0), meta={"problem": 0}, tools={},
+                                            environment=functools.partial(Silent, GUESS_ROW))]), 200)
+    assert (traj.finish, traj.turns, sum(traj.mask) == len(traj.response_ids)) == ("stop", 1, True)

@@ -1,0 +1,75 @@
+"""
+A referee environment (`task = "tasks/guess.py"`): the model guesses a secret number, one guess a turn, and a
+referee answers each guess with "higher" or "lower" as the next user turn, until the guess is right. No tool: the
+environment answers turns that made no tool call, which is the second half of the environment seam:
+
+    environment(row)          a new Referee for one trajectory (rollout.Engine makes it when the row is claimed)
+    Referee.respond(text)     called by the engine when an assistant turn ends without a tool call; `text` is the
+                              turn as sampled (after the forced <reason>, up to its <|im_end|>). It returns the next
+                              observation, which the engine appends as a user turn in the chat template's format
+                              (`<|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n<reason>`, mask
+                              0, counted against the response budget like a tool answer), or None to end the
+                              episode (finish "stop"). A turn at the turn limit is still shown to it (its guess
+                              counts); its observation is then not appended (finish "max_turns"). A turn cut by the
+                              budget is never shown to it. An environment without respond() ends the episode on
+                              a turn without a call, as the math task does.
+    grade(...)                reads the Referee: reward = the fewest guesses that always find the number (binary
+                              search: ceil(log2(high + 1))) / guesses made, at most 1, when the last guess was
+                              right, else 0; correct = the number was found
+
+A row: {"question": "...", "secret": 11, "high": 16}; the question says the range and how to answer.
+"""
+import math
+
+import agent
+import grading
+
+COLUMNS = ("question", "secret", "high")
+TOOLS = {}
+
+
+class Referee:
+    """One trajectory's game: its secret and the guesses made so far."""
+
+    def __init__(self, row):
+        self.secret = row["secret"]
+        self.high = row["high"]
+        self.guesses = []  # each turn's guess (None: the turn had no integer answer)
+        self.closed = False
+
+    def respond(self, turn_text):
+        if self.closed:
+            raise RuntimeError("the trajectory is over: its environment is closed")
+        answer = agent.extract_answer(turn_text)
+        digits = grading.plain_int(answer) if answer else None
+        guess = None if digits is None else int(digits)
+        self.guesses.append(guess)
+        if guess is None:
+            return f"Answer with one integer from 1 to {self.high} in <answer>\\boxed{{}}</answer>."
+        # right: the episode ends (None); else the next user turn says which way to go
+        if guess == self.secret:
+            return None
+        return "higher" if guess < self.secret else "lower"
+
+    def close(self):
+        self.closed = True
+
+
+def environment(row):
+    return Referee(row)
+
+
+def prompt(row):
+    return agent.prompt_text(row["question"], tools=TOOLS)
+
+
+def answer(turns):
+    return agent.extract_answer(turns)
+
+
+def grade(row, pred, turns, grader, trajectory):
+    referee = trajectory.environment
+    if not referee.guesses or referee.guesses[-1] != referee.secret:
+        return 0.0, False
+    fewest = math.ceil(math.log2(referee.high + 1))
+    return min(1.0, fewest / len(referee.guesses)), True
