@@ -30,9 +30,12 @@ Metrics (summary.json, summary.md, printed):
                  whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
                  a tie goes to the answer sampled first among the tied ones; samples without a
                  (non-empty) answer do not vote. The vote is correct if the first sample with the
-                 winning answer is correct. The answers are the task's predictions (task.answer). It is
-                 a plain string vote: answers that math-verify finds equal but that are written
-                 differently ("1/2", "0.5") are counted apart.
+                 winning answer is correct. The answers are the task's predictions (task.answer), or what
+                 the row's task's vote(row, pred, trajectory) returns when it has one (a hashable key;
+                 None: no vote; it runs on the decode loop, so it must be quick): tasks/code.py votes on
+                 the program's syntax tree, not its text. For the math task it is a plain string vote:
+                 answers that math-verify finds equal but that are written differently ("1/2", "0.5")
+                 are counted apart.
   rollout/       mean / median response tokens (response_len: everything after the prompt, tool responses
                  included) and sampled ones (sampled_len, mask 1); turns per answer; the shares of answers cut by
                  the budget (truncated_frac), by the turn limit (max_turns_frac) and without an answer
@@ -88,10 +91,12 @@ def normalize_answer(answer):
 
 def majority_vote(answers):
     """Index of the sample whose answer wins the vote (the first sample with it), or None when no sample
-    has an answer. Ties go to the answer sampled first among the tied; None / "" answers do not vote."""
-    keys = [normalize_answer(answer) if answer else None for answer in answers]
+    has an answer. Ties go to the answer sampled first among the tied. An answer is a string
+    (normalised) or any other hashable key (a task's vote(): tasks/code.py's); one that is empty or None
+    does not vote."""
+    keys = [normalize_answer(answer) if isinstance(answer, str) else answer for answer in answers]
     # each sample's answer's votes
-    votes = [keys.count(key) if key is not None else 0 for key in keys]
+    votes = [keys.count(key) if key else 0 for key in keys]
     return votes.index(max(votes)) if any(votes) else None  # index(): the first of the most voted
 
 
@@ -107,7 +112,7 @@ def metrics(groups):
         # how many of the problem's k samples are right
         correct = sum(bool(traj.correct) for traj in group)
         # the index of the vote's winner, None: no sample answered
-        winner = majority_vote([traj.pred for traj in group])
+        winner = majority_vote([traj.vote for traj in group])
         # the problem's row: its counts, its vote, its lengths, its tool calls and endings
         per_problem.append({
             "index": index,
@@ -161,8 +166,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     kept of it is its Summary.
     Returns (summary, per_problem) on every rank.
     """
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
+    # samples < 1: metrics() raises the ValueError (no samples to count)
     # each request with its row's tools, and the maker of its own environment when the row's task keeps state
     requests = Lazy(len(problems) * samples, lambda index: Request(
         list(map(int, prompt_ids[index // samples])),
@@ -190,6 +194,13 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
                 # what is kept of it: its summary, with the grade's result
                 summaries.append(summarize(traj,
                                            grade.result() if grade.done() else final[traj.key]))
+                # what maj@k groups it by: its pred, unless its task says (vote(row, pred,
+                # trajectory), while the trajectory is here: it runs on the decode loop, so it must
+                # be quick)
+                row = problems[traj.meta["problem"]]
+                vote = getattr(grading.row_task(row, task), "vote", None)
+                if vote:
+                    summaries[-1].vote = vote(row, summaries[-1].pred, traj)
                 # handed over before it is let go (e.g. written down)
                 if on_graded is not None:
                     on_graded(traj, summaries[-1])

@@ -109,11 +109,13 @@ class Summary:
     reward: float
     correct: bool  # the task's verdict, what avg@k and the metrics count
     n_answers: int  # <answer> blocks in what the policy sampled (RoC's p_format)
-    pred: object  # the task's prediction (maj@k votes on it); None: no answer
+    pred: object  # the task's prediction; None: no answer
     # what GRPO-RoC decided (train_rl.py): the penalty of every sample of a group it saw; the advantage of the kept
     penalty: float = None
     advantage: float = None
     kept: bool = False
+    # what maj@k groups it by: its pred, or what its task's vote(row, pred, trajectory) says (eval.py); None: no vote
+    vote: object = None
 
 
 def summarize(t, grade):
@@ -123,7 +125,8 @@ def summarize(t, grade):
                    [c.get("tool", "") for c in t.tool_calls],
                    agent.call_faults(t.tool_calls),
                    len(t.prompt_ids), len(t.response_ids), sum(t.mask),
-                   grade["reward"], grade["correct"], grade["n_answers"], grade["pred"])
+                   grade["reward"], grade["correct"], grade["n_answers"], grade["pred"],
+                   vote=grade["pred"])
 
 
 def rollout_metrics(summaries, tool_names=()):

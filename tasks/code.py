@@ -21,7 +21,11 @@ A solution can still waste its calls' time: every call has the sandbox's time an
 
 reward = passed tests / tests (partial credit: grpo_roc's docstring has the rule for rewards that are not
 0/1); correct = every test passed.
+
+maj@k (eval.py) votes on vote(): the solution as a program, not as text (see vote()).
 """
+import ast
+import hashlib
 import json
 
 import agent
@@ -70,3 +74,40 @@ def grade(row, pred, turns, grader, trajectory):
         lines = result.stdout.splitlines()
         passed += result.status == "ok" and bool(lines) and lines[-1] == json.dumps(expected)
     return passed / len(tests), passed == len(tests)
+
+
+def vote(row, pred, trajectory):
+    """What maj@k groups a sample by: the solution's syntax tree, without its layout, comments and docstrings,
+    with every name it binds (arguments, variables, helper functions; not the entry point) renamed in the order
+    the tree is walked; a 16-hex-digit digest of it (a Summary crosses ranks). So two samples that are one
+    program written with other names, spacing or comments get one vote; a solution that is not Python votes on
+    its text with spaces collapsed. None (no answer): no vote.
+    Not its behaviour on the tests' inputs, which would group more programs (x * 2 and x + x): the grade runs
+    those inputs, but what they printed is not kept where eval reads it (the grade returns a reward and a
+    verdict), and running them again here would hold up the decode loop that vote() runs on and double the
+    sandbox's work. The gold never enters: the tree is of the solution alone."""
+    if not pred:
+        return None
+    try:
+        tree = ast.parse(pred)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # not Python, or nested past the parser
+        return " ".join(pred.split())
+    # docstrings out: a string statement at the head of a body says nothing the program does
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and len(body) > 1 and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:]
+    # the names the solution binds, in walk order; the entry point keeps its name (the tests call it)
+    bound = [node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)]
+    bound += [node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)]
+    bound += [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    renamed = {name: f"v{i}" for i, name in enumerate(dict.fromkeys(bound)) if name != row["entry"]}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg):
+            node.arg = renamed.get(node.arg, node.arg)
+        elif isinstance(node, ast.Name):
+            node.id = renamed.get(node.id, node.id)
+        elif isinstance(node, ast.FunctionDef):
+            node.name = renamed.get(node.name, node.name)
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]

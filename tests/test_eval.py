@@ -55,6 +55,50 @@ def test_majority_vote_ties_normalisation_and_none():
     assert ev.normalize_answer("x + 1") == "x+1" and ev.normalize_answer("+") == "+"
 
 
+def test_the_code_task_votes_on_the_program_not_its_text():
+    # one program written with other names, spacing, comments and a docstring: one vote; another program: its own
+    import grading
+    code = grading.load_task("tasks/code.py")
+    row = {"entry": "f"}
+    same = ["def f(x):\n    y = x * 3\n    return y - 1",
+            'def f(n):\n    """Triple, less one."""\n    # scale\n    tripled = n*3\n    return tripled-1\n']
+    other = ["def f(x):\n    return 3 * x - 1", "def g(x):\n    y = x * 3\n    return y - 1"]
+    keys = [code.vote(row, pred, None) for pred in same + other]
+    assert keys[0] == keys[1] and len(set(keys)) == 3 and keys[3] != keys[0]  # g is not the entry point f
+    assert code.vote(row, None, None) is None and code.vote(row, "def f(:\n  pass", None) == "def f(: pass"
+    # maj@k on those keys: the two spellings outvote the one sample that is a program of its own
+    assert ev.majority_vote([keys[2], keys[0], keys[1]]) == 1
+    assert ev.majority_vote([None, (), "", "7"]) == 3  # empty keys do not vote
+
+
+def test_evaluate_groups_maj_at_k_by_the_tasks_vote(monkeypatch):
+    # a task with vote(): eval calls it with the row, the pred and the trajectory on the rank that made it, and
+    # maj@k groups by it, not by the pred's text; the per-problem answer shown is the winner's pred
+    import types
+    preds = ["two", "one", "uno"]  # samples 1 and 2 say the same in other words; sample 0 is right
+
+    def fake_generate(engine, requests, budget, mode, on_finish, counter, keep):
+        for j in range(len(requests)):  # one sampled token each: its sample index (the tokenizer reads preds)
+            on_finish(Trajectory(key=requests[j].key, prompt_ids=[1], response_ids=[requests[j].key[2]], mask=[1],
+                                 finish="stop", turns=1, meta=requests[j].meta))
+    seen = []
+
+    def vote(row, pred, trajectory):
+        seen.append((row["question"], pred, trajectory.key))
+        return {"one": 1, "uno": 1, "two": 2}[pred]
+    task = types.SimpleNamespace(
+        __name__="numbers", COLUMNS=("question",), TOOLS={}, prompt=lambda row: row["question"], vote=vote,
+        answer=lambda turns: turns[0], grade=lambda row, pred, turns, grader, trajectory: (pred == "two", pred == "two"))
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    tok = types.SimpleNamespace(decode=lambda ids: preds[ids[0]])
+    summary, per = ev.evaluate(types.SimpleNamespace(tools=None), tok, [{"question": "q"}], 3, 10, prompt_ids=[[1]],
+                               task=task)
+    assert sorted(seen, key=lambda call: call[2]) == [("q", preds[s], (0, 0, s)) for s in range(3)]
+    # the task's vote: 1 (samples 1 and 2), wrong; a vote on the text would be a three-way tie won by sample 0
+    assert summary["maj@k"] == 0.0 and summary["avg@k"] == pytest.approx(1 / 3) and per[0]["maj_answer"] == "one"
+    assert ev.majority_vote(preds) == 0
+
+
 # ----------------------------------------------------------------------------- metrics on crafted trajectories
 
 def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
