@@ -600,13 +600,13 @@ class Engine:
         # the row's task's tools
         table = self.tool_table if row.req.tools is None else row.req.tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
-        # Plain completions (generate, use_tools=False) decode and parse nothing: a turn is the whole answer
-        text = None if tools is None else self.tok.decode(traj.response_ids[row.turn_start:])
-        calls = agent.parse_tool_calls(text, self.max_calls, table) if text else []
+        # Plain completions (generate, use_tools=False) parse nothing: a turn is the whole answer
+        text = self.tok.decode(traj.response_ids[row.turn_start:])
+        calls = [] if tools is None else agent.parse_tool_calls(text, self.max_calls, table)
         # a turn without a call: the trajectory's environment may answer it (a referee, a simulated
         # user) with the next user turn, or end the episode (None). It sees the turn at the turn limit too
         respond = getattr(traj.environment, "respond", None)
-        row.reply = respond(text) if respond and text and not calls else None
+        row.reply = respond(text) if respond and not calls else None
         if not calls and row.reply is None:
             traj.finish = "stop"
         elif traj.turns >= self.max_turns:
