@@ -301,14 +301,14 @@ def guess(n):
     return f"I guess.</reason>\n<answer>\\boxed{{{n}}}</answer><|im_end|>"
 
 
-def referee_run(tiny, scripts, budget=300, max_turns=4):
+def referee_run(tiny, scripts, budget=300, max_turns=4, kv_capacity=4 * 2000, reserve=0.5):
     """Each sample's turns (scripts: sample index -> turns) through the real engine, one Referee each."""
     model, tok = tiny
     prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
     reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, **grading.rollout_seam(GUESS_ROW, GUESS))
             for s in scripts]
-    engine = Scripted(model, tok, kv_capacity=4 * 2000, max_len=len(prompt) + budget, tools=NO_SANDBOX,
-                      max_turns=max_turns, call_timeout=0.5)
+    engine = Scripted(model, tok, kv_capacity=kv_capacity, max_len=len(prompt) + budget, tools=NO_SANDBOX,
+                      max_turns=max_turns, call_timeout=0.5, reserve=reserve, max_rows=len(reqs), page_size=4)
     engine.scripts = {(0, 0, s): turns for s, turns in scripts.items()}
     return engine, {t.key[2]: t for t in engine.run(iter_claim(reqs), budget)}
 
@@ -371,3 +371,19 @@ def test_without_respond_a_turn_without_a_call_ends_the_episode(tiny):
     [traj] = engine.run(iter_claim([Request(prompt, key=(0, 0, 0), meta={"problem": 0}, tools={},
                                             environment=functools.partial(Silent, GUESS_ROW))]), 200)
     assert (traj.finish, traj.turns, sum(traj.mask) == len(traj.response_ids)) == ("stop", 1, True)
+
+
+def test_referee_rows_preempted_mid_game_ask_each_turn_once(tiny):
+    # a KV too small for the three games at once: rows leave it mid-game (parked on a reply or decoding) and are
+    # prefilled again; each referee still sees each turn once, and the tokens are those of the roomy run
+    scripts = {0: [guess(8), guess(12), guess(10), guess(11)], 1: [guess(4), guess(6), guess(11)],
+               2: [guess(16), guess(11)]}
+    _, roomy = referee_run(tiny, scripts)
+    model, tok = tiny
+    n_prompt = len(tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False))
+    engine, trajs = referee_run(tiny, scripts, kv_capacity=2 * n_prompt + 120, reserve=0.0)
+    assert engine.stats["preemptions"] >= 1
+    for sample, traj in trajs.items():
+        assert traj.response_ids == roomy[sample].response_ids and traj.mask == roomy[sample].mask
+        assert traj.environment.guesses == [int(t.split("{")[1].split("}")[0]) for t in scripts[sample]]
+        assert traj.finish == "stop"
