@@ -167,10 +167,6 @@ def prompt_text(question, system=SYSTEM_PROMPT, tools=PYTHON_TOOLS, user_prefix=
             f"<|im_start|>user\n{user_prefix}{question}{END}\n" + GENERATION_PROMPT)
 
 
-def render_prompt(tokenizer, question, system=SYSTEM_PROMPT, tools=PYTHON_TOOLS):
-    """Token ids of prompt_text(question): where every trajectory starts."""
-    return tokenizer.encode(prompt_text(question, system, tools), add_special_tokens=False)
-
 # -----------------------------------------------------------------------------
 # tool calls in, tool responses out
 

@@ -97,7 +97,6 @@ import grading
 import model as modeling
 import rollout
 import sandbox
-from common import read_metrics
 from grpo_roc import policy_loss
 from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
@@ -164,7 +163,7 @@ def build_models(path, n_prompts):
     tok.save_pretrained(path)
     ours = load_model(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    return ours, hf, tok, [agent.render_prompt(tok, p["question"]) for p in problems]
+    return ours, hf, tok, [data.render_prompt(tok, p["question"]) for p in problems]
 
 
 def flops_per_token(model, ctx):
@@ -794,7 +793,7 @@ def synthetic_trajectories(rank, n, mean_tokens, seed=0):
             response_ids=[rng.randrange(151936) for _ in range(r)], mask=mask,
             logprobs=[-rng.random() if m else 0.0 for m in mask], tool_calls=calls, turns=len(calls) + 1,
             finish="stop", meta={"answer": "42", "problem": i, "reward": float(rng.random() < 0.5), "correct": False,
-                                 "n_answers": 1, "pred": "42"}))
+                                 "n_answers": 1, "pred": "42", "vote": "42"}))
     return out
 
 
@@ -921,6 +920,19 @@ def tiny_rl_batch(n=64, seed=0, vocab=4096):
     return seqs
 
 
+def compile_blocks(model):
+    """Compile each decoder layer with inductor (torch.compile; on a CPU it builds C++ with gcc), so a layer's
+    element-wise chains (RMSNorm, the q/k norms, RoPE, SwiGLU) run forward and backward as a few fused kernels
+    instead of dozens of passes over the activations; matmuls and attention stay torch's. Shapes are dynamic
+    (micro-batches differ in rows and length) and the layers share one graph, so the first forward and backward
+    pay the one compile (tens of seconds on a CPU). Fusion reorders some sums: the gradients equal the eager
+    path's within float tolerance, not bitwise (tests/test_model.py). Call it before shard_model.
+    Here, not in model.py: no entry point runs it yet (`bench.py u` measures it, docs/speed.md)."""
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
+    return model
+
+
 def update_step(reps, max_tokens=4096, kl_coef=0.05):
     """(u) the policy update of one tiny RL step (tiny_rl_batch, on data.prepare's tiny model shape, random
     weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
@@ -928,14 +940,14 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
     together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm.
     Issue 45's arms, on now's micro-batches: "unfused" writes RMSNorm out as model.py did before (six ops and
-    their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs model.compile_blocks
+    their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs compile_blocks (above)
     (inductor; its compile is timed apart, before the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
     frozen reference's no_grad forward per micro-batch, then k3 in the loss; the reference's forward is timed
     on its own inside it."""
     import copy
     from common import pack, pack_sorted
     from grpo_roc import kl_penalty
-    from model import Config, Qwen, compile_blocks
+    from model import Config, Qwen
     cfg = Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
@@ -1048,7 +1060,7 @@ def grading_off_the_loop(tok, reps, prompts=8, samples=16):
                 toks[j] = a[pos] if pos < len(a) else toks[j]
             return toks, lps
     engine = Forced(model, tok, kv_capacity=prompts * samples * 600, max_len=600)
-    reqs = lambda: [Request(agent.render_prompt(tok, q), key=(0, i, s), meta={"answer": golds[i]})  # noqa: E731
+    reqs = lambda: [Request(data.render_prompt(tok, q), key=(0, i, s), meta={"answer": golds[i]})  # noqa: E731
                     for i, q in enumerate(qs) for s in range(samples)]
     math_task.reward("1", "\\frac{1}{2}")  # start the math-verify helper before the timing
 
@@ -1319,7 +1331,7 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
         keys = {"reward": "rollout/reward", "kept": "roc/kept", "grad_norm": "loss/grad_norm", "tool_calls": "tool/calls",
                 "response_len": "rollout/response_len", "t_rollout": "time/rollout", "t_train": "time/train",
                 "tok_per_s": "rollout/tok_per_s"}  # its report's names: train_rl.py's metrics.jsonl keys
-        return {"wall_s": wall, "steps": [{k: m.get(v) for k, v in keys.items()} for m in read_metrics(run_dir)]}
+        return {"wall_s": wall, "steps": [{k: m.get(v) for k, v in keys.items()} for m in data.read_metrics(run_dir)]}
 
 
 def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts):

@@ -148,10 +148,6 @@ def write_jsonl(path, rows):
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
-def read_metrics(run_dir):
-    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"), ())
-
-
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -211,6 +211,18 @@ def sft_conversation(problem, rng, run, error_rate=0.25, bug_kind="typo"):
 # -----------------------------------------------------------------------------
 # the tokenizer and the tiny model
 
+def read_metrics(run_dir):
+    """The rows of a run's metrics.jsonl (train_sft.py and train_rl.py write one a step)."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def render_prompt(tokenizer, question):
+    """Token ids of the math task's prompt for a question (agent.prompt_text): where its trajectories
+    start. The entry points tokenize a row's task's prompt(row) themselves (train_rl.py, eval.py)."""
+    return tokenizer.encode(agent.prompt_text(question), add_special_tokens=False)
+
+
 def train_tokenizer(texts, vocab_size=4096):
     """A byte-level BPE (PreTrainedTokenizerFast) trained on texts: numbers split into chunks of up to
     three digits, left to right (as Llama 3's and GPT-4's tokenizers), every such chunk one token;
@@ -278,7 +290,7 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
     write_jsonl(os.path.join(data_dir, "heldout.jsonl"), heldout)
     write_jsonl(os.path.join(data_dir, "sft.jsonl"), sft)
     n_params = sum(p.numel() for p in model.parameters())
-    prompt_len = len(agent.render_prompt(tokenizer, train[0]["question"]))
+    prompt_len = len(render_prompt(tokenizer, train[0]["question"]))
     print(f"{out_dir}: qwen3 {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, prompt {prompt_len} tokens | "
           f"{data_dir}: train {len(train)}, heldout {len(heldout)}, sft {len(sft)}")
     return tokenizer, model

@@ -45,7 +45,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import agent
-from common import read_jsonl, read_metrics
+import data
+from common import read_jsonl
 
 FLAGS, VALUED = ("--compare", "--mismatch", "--recover"), ("--seed=", "--seeds=", "--out=", "--rl.", "--eval.")
 for arg in sys.argv[1:]:
@@ -147,7 +148,7 @@ def seed_study(n):
             d = f"{root}/seeds/{arm.lower()}-s{s}"
             sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={s}",
                "--deterministic=true", "--dump_every=0", *policy, *extra)
-            m = read_metrics(d)
+            m = data.read_metrics(d)
             ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             rows[arm].append({"seed": s, "first": mean(m[:20], "tool/err_pos"), "last": mean(m[-20:], "tool/err_pos"),
@@ -210,13 +211,13 @@ for name, (d, extra) in runs.items():
     sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}",
        "--deterministic=true", *policy, *extra)
 runs = {name: d for name, (d, _) in runs.items()}
-steps = read_metrics(runs["GRPO-RoC"])[-1]["step"]
+steps = data.read_metrics(runs["GRPO-RoC"])[-1]["step"]
 after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
 
 # training curves: reward, tool error ratio among positives (Fig. 4), response length; held-out accuracy
 fig, axes = plt.subplots(1, 5, figsize=(22, 4))
 for name, d in runs.items():
-    m = read_metrics(d)
+    m = data.read_metrics(d)
     s = [r["step"] for r in m]
     for ax, key in zip(axes[:4], ("rollout/reward", "tool/err_pos", "rollout/response_len", "mismatch/abs_mean")):
         ax.plot(s, moving_average([r[key] for r in m]), label=name)
@@ -250,7 +251,7 @@ table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | to
 for name, s in rows:
     table.append(f"| {name} | {100 * s['avg@k']:.1f}% | {100 * s['avg@k_se']:.1f} | {100 * s['pass@k']:.1f}% | "
                  f"{s['tool/calls']:.2f} | {s['tool/err']:.3f} | {s['rollout/response_len']:.0f} |")
-last = {n: read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
+last = {n: data.read_metrics(d)[-20:] for n, d in runs.items()}  # single steps are noisy: the last 20
 summary = "\n".join(table) + "\n\n" + "\n".join(
     f"- {n}: tool error ratio among positive trajectories, mean of the last {len(m)} RL steps: "
     f"{sum(r['tool/err_pos'] for r in m) / len(m):.4f}; engine-vs-trainer mean |Δ log p| "

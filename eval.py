@@ -32,7 +32,7 @@ Metrics (summary.json, summary.md, printed):
                  (non-empty) answer do not vote. The vote is correct if the first sample with the
                  winning answer is correct. The answers are the task's predictions (task.answer), or what
                  the row's task's vote(row, pred, trajectory) returns when it has one (a hashable key;
-                 None: no vote; it runs on the decode loop, so it must be quick): tasks/code.py votes on
+                 None: no vote; it runs with the grade, under its bounds): tasks/code.py votes on
                  the program's syntax tree, not its text. For the math task it is a plain string vote:
                  answers that math-verify finds equal but that are written differently ("1/2", "0.5")
                  are counted apart.
@@ -194,13 +194,6 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
                 # what is kept of it: its summary, with the grade's result
                 summaries.append(summarize(traj,
                                            grade.result() if grade.done() else final[traj.key]))
-                # what maj@k groups it by: its pred, unless its task says (vote(row, pred,
-                # trajectory), while the trajectory is here: it runs on the decode loop, so it must
-                # be quick)
-                row = problems[traj.meta["problem"]]
-                vote = getattr(grading.row_task(row, task), "vote", None)
-                if vote:
-                    summaries[-1].vote = vote(row, summaries[-1].pred, traj)
                 # handed over before it is let go (e.g. written down)
                 if on_graded is not None:
                     on_graded(traj, summaries[-1])

@@ -6,8 +6,9 @@ A Grader is the engine's on_finish callback. It grades each finished trajectory 
 threads, so the decode loop never waits for a reward (the paper's §3.1 verifies asynchronously too), with the
 task's own functions (tasks/math.py is the default; a task is one file, see the README's "Fork it"):
 
-    pred = task.answer(turns)                                        # what maj@k votes on (None: no answer)
+    pred = task.answer(turns)                                        # the prediction (None: no answer)
     reward, correct = task.grade(row, pred, turns, grader, trajectory)   # reward in [0, 1]; correct for metrics
+    vote = task.vote(row, pred, trajectory)     # if the task has vote(): what maj@k groups by (else the pred)
 
 `turns` are the texts the policy sampled (agent.sampled_turns: never a tool's output), `row` the whole data
 row (every JSONL column; a row with a "task" column is graded by that task file: one run mixes tasks),
@@ -50,7 +51,7 @@ MAX_ANSWER_CHARS = 1000
 # so is one nested deeper in ( [ { (\left( included): math-verify's parser is exponential in it
 MAX_DEPTH = 10
 # a grade that could not be made
-_ZERO = {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None}
+_ZERO = {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
 
 
 def plain_int(text):
@@ -187,9 +188,10 @@ class Grader:
             self.counts[key] += 1
 
     def grade(self, traj, row):
-        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred}, by the row's
-        task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not correct,
-        without grade()."""
+        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred, vote}, by the
+        row's task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not
+        correct, without grade(). vote is what maj@k groups it by: the pred, unless the task has
+        vote(row, pred, trajectory) (tasks/code.py: the program, not its text)."""
         task = row_task(row, self.task)
         turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
         pred = task.answer(turns)
@@ -200,8 +202,9 @@ class Grader:
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
         n_answers = count_answers(turns)
+        vote = getattr(task, "vote", None)
         return {"reward": float(reward), "correct": bool(correct), "n_answers": n_answers,
-                "pred": pred}
+                "pred": pred, "vote": vote(row, pred, traj) if vote else pred}
 
     def refuses(self, text):
         """True, counted as refused, when text is too big to hand to a parser: longer than MAX_ANSWER_CHARS
@@ -267,7 +270,7 @@ class Grader:
     def results(self):
         """
         Waits for the grades of the trajectories handed over since the last call, each within its bound
-        (the class docstring): {key: {"reward", "correct", "n_answers", "pred"}}. Then self.stats holds
+        (the class docstring): {key: {"reward", "correct", "n_answers", "pred", "vote"}}. Then self.stats holds
         what happened since the last call:
             wait_s                 seconds this call waited (grading that the rollout did not hide)
             timed_out              grades scored 0 because verification passed timeout (the helper was

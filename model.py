@@ -519,18 +519,6 @@ class Qwen(nn.Module):
         return self.compiled(input_ids, pos, att)
 
 
-def compile_blocks(model):
-    """Compile each decoder layer with inductor (torch.compile; on a CPU it builds C++ with gcc), so a layer's
-    element-wise chains (RMSNorm, the q/k norms, RoPE, SwiGLU) run forward and backward as a few fused kernels
-    instead of dozens of passes over the activations; matmuls and attention stay torch's. Shapes are dynamic
-    (micro-batches differ in rows and length) and the layers share one graph, so the first forward and backward
-    pay the one compile (tens of seconds on a CPU). Fusion reorders some sums: the gradients equal the eager
-    path's within float tolerance, not bitwise (tests/test_model.py). Call it before shard_model."""
-    for layer in model.model.layers:
-        layer.compile(dynamic=True)
-    return model
-
-
 def collate(seqs, device, packed):
     """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
     (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),

@@ -114,7 +114,8 @@ class Summary:
     penalty: float = None
     advantage: float = None
     kept: bool = False
-    # what maj@k groups it by: its pred, or what its task's vote(row, pred, trajectory) says (eval.py); None: no vote
+    # what maj@k groups it by (eval.py): its pred, or what its task's vote(row, pred, trajectory) says
+    # (grading.Grader.grade); None: no vote
     vote: object = None
 
 
@@ -126,7 +127,7 @@ def summarize(t, grade):
                    agent.call_faults(t.tool_calls),
                    len(t.prompt_ids), len(t.response_ids), sum(t.mask),
                    grade["reward"], grade["correct"], grade["n_answers"], grade["pred"],
-                   vote=grade["pred"])
+                   vote=grade["vote"])
 
 
 def rollout_metrics(summaries, tool_names=()):

@@ -84,8 +84,8 @@ def vote(row, pred, trajectory):
     its text with spaces collapsed. None (no answer): no vote.
     Not its behaviour on the tests' inputs, which would group more programs (x * 2 and x + x): the grade runs
     those inputs, but what they printed is not kept where eval reads it (the grade returns a reward and a
-    verdict), and running them again here would hold up the decode loop that vote() runs on and double the
-    sandbox's work. The gold never enters: the tree is of the solution alone."""
+    verdict), and running them again here (vote() runs right after grade(), on the grader's threads) would
+    double the sandbox's work. The gold never enters: the tree is of the solution alone."""
     if not pred:
         return None
     try:

@@ -53,7 +53,7 @@ def test_constants_match_reference():
 def test_prompt_matches_reference(tok, question):
     messages = [{"role": "user", "content": question}]
     assert agent.prompt_text(question) == reference(tok, messages)
-    assert agent.render_prompt(tok, question) == reference(tok, messages, tokenize=True)
+    assert data.render_prompt(tok, question) == reference(tok, messages, tokenize=True)
     assert agent.prompt_text(question).endswith("<|im_start|>assistant\n<reason>")
     sys_messages = [{"role": "system", "content": "Be brief."}] + messages
     assert agent.prompt_text(question, system="Be brief.") == reference(tok, sys_messages)
@@ -122,7 +122,7 @@ def test_render_conversation_ids_and_mask(tok):
     assert text.count("<|im_end|><|im_start|>user\n<tool_response>") == 2
     assert text.replace("<|im_end|><|im_start|>user", "<|im_end|>\n<|im_start|>user") == want
     # the prompt comes first, all mask 0
-    prompt = agent.render_prompt(tok, "What is 2 + 3?")
+    prompt = data.render_prompt(tok, "What is 2 + 3?")
     assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
     # mask 1 exactly on the three assistant turns, each a contiguous run ending in <|im_end|>
     runs, cur = [], []
@@ -256,7 +256,7 @@ def test_surplus_calls_get_no_record():
     from rollout import Engine, Request, iter_claim
     from test_rollout import Script, SlowTools  # its scripted policy and tools
     tok = data.train_tokenizer([agent.prompt_text("What is 8 * 8?") + block(OK_CALL) + "<|im_end|>"])
-    prompt = agent.render_prompt(tok, "What is 8 * 8?")
+    prompt = data.render_prompt(tok, "What is 8 * 8?")
     calls = "".join(block({"name": agent.TOOL_NAME, "arguments": {"code": f"print({v})", "input": ""}}) for v in (64, 65, 66))
     end = tok.convert_tokens_to_ids("<|im_end|>")
     script = (tok.encode("</reason>\n" + calls, add_special_tokens=False) + [end]

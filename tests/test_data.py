@@ -138,7 +138,7 @@ def test_tokenizer(prepared):
     # token budgets on problems the tokenizer never saw (mean over 200)
     probs = data.make_problems(200, seed=99)
     rng = random.Random(0)
-    prompt = [len(agent.render_prompt(tok, p["question"])) for p in probs]
+    prompt = [len(data.render_prompt(tok, p["question"])) for p in probs]
     traj = [len(agent.render_conversation(tok, data.sft_conversation(p, rng, run_inprocess, error_rate=0.0))[0]) for p in probs]
     assert statistics.mean(prompt) < 60 and statistics.mean(traj) < 120, (statistics.mean(prompt), statistics.mean(traj))
 
@@ -154,7 +154,7 @@ def test_prepared_dir_loads(prepared):
     assert not {p["question"] for p in heldout} & {p["question"] for p in train + sft}
     loaded = AutoTokenizer.from_pretrained(str(base))
     q = heldout[0]["question"]
-    assert agent.render_prompt(loaded, q) == agent.render_prompt(tok, q)
+    assert data.render_prompt(loaded, q) == data.render_prompt(tok, q)
     assert loaded.eos_token_id == tok.eos_token_id and loaded.pad_token_id == tok.pad_token_id
     # the saved chat template renders like the reference (prompt, tool turns) and like our renderer (whole trace)
     ref_template = (REF / "rstar2_chat_template.jinja").read_text()
@@ -175,7 +175,7 @@ def test_prepared_dir_loads(prepared):
     assert (m.config.hidden_size, m.config.num_hidden_layers, m.config.num_key_value_heads, m.config.head_dim) == (128, 4, 2, 32)
     assert m.config.eos_token_id == loaded.eos_token_id
     import torch
-    ids = torch.tensor([agent.render_prompt(loaded, q)])
+    ids = torch.tensor([data.render_prompt(loaded, q)])
     assert torch.equal(m(ids).logits, model(ids).logits)  # the saved weights are the ones made
 
 

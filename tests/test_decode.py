@@ -4,7 +4,7 @@ fixed shapes ("static") and through inductor ("compile"); the logits of padded b
 import pytest
 import torch
 
-import agent
+import data
 from model import KVCache, load_model
 from rollout import Engine, Request, iter_claim
 from test_rollout import QUESTIONS, ForcedTurns, SlowTools, tiny  # noqa: F401 (tiny: the fixture)
@@ -15,7 +15,7 @@ def rollouts(path, tok, mode, temperature):
     row set changes between decode steps, and tool answers are prefilled into rows that hold tokens"""
     model = load_model(path)
     model.decode_mode = mode
-    prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:6]]
+    prompts = [data.render_prompt(tok, q) for q in QUESTIONS[:6]]
     reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
     tools = SlowTools({"print(%d)" % v: 0.0 for v in range(20)})
     engine = Engine(ForcedTurns(model, tok), tok, kv_capacity=640, max_len=320, temperature=temperature, seed=5,

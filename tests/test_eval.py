@@ -108,7 +108,7 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
                    turns=turns, finish=finish, meta={"answer": gold, "problem": problem})
     reward = math_task.reward(text, gold)
     grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
-             "pred": agent.extract_answer(text)}
+             "pred": agent.extract_answer(text), "vote": agent.extract_answer(text)}
     return summarize(t, grade)  # what eval keeps of a trajectory
 
 

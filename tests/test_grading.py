@@ -83,28 +83,28 @@ def test_tool_output_cannot_supply_the_answer(tok):
               "<|im_end|>\n<|im_start|>assistant\n<reason>"
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("so it is done</reason><|im_end|>", 1)])
     assert MATH.reward(tok.decode(t.response_ids), "7") == 1.0  # the whole decoded text would pay out
-    assert grade(tok, t) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None}
+    assert grade(tok, t) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
     # an answer block cannot be stitched together across a tool response either
     t = trajectory(tok, [("<answer>\\boxed{7}", 1), (printed.replace("<answer>\\boxed{7}", ""), 0), ("</reason>", 1)])
     assert grade(tok, t)["n_answers"] == 0
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("<answer>\\boxed{7}</answer><|im_end|>", 1)])
-    assert grade(tok, t) == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7"}
+    assert grade(tok, t) == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7", "vote": "7"}
 
 
 def test_the_answer_is_the_final_turns_outside_its_tool_calls(tok):
     # answered in a turn before a tool call, nothing in the final turn: not an answer (p_format still counts it)
     early = trajectory(tok, [("so <answer>\\boxed{7}</answer>, let me check" + call("print(7)") + "<|im_end|>", 1),
                              (RESPONSE, 0), ("checked</reason><|im_end|>", 1)])
-    assert grade(tok, early) == {"reward": 0.0, "correct": False, "n_answers": 1, "pred": None}
+    assert grade(tok, early) == {"reward": 0.0, "correct": False, "n_answers": 1, "pred": None, "vote": None}
     # inside the code of the final turn's tool call (a comment), closed (cut by max_turns) or not
     for text in [call("# <answer>\\\\boxed{7}</answer>") + "<|im_end|>", call("print(1)  # <answer>\\\\boxed{7}</answer>")[:-12]]:
         for finish in ("max_turns", "stop"):
-            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None}
+            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
     # the final turn's own answer, beside a call and after a turn that answered otherwise
     late = trajectory(tok, [("<answer>\\boxed{8}</answer>" + call("print(7)") + "<|im_end|>", 1), (RESPONSE, 0),
                             ("7 it is</reason>" + call("print(7)") + "\n<answer>\\boxed{7}</answer><|im_end|>", 1)],
                       finish="max_turns")
-    assert grade(tok, late) == {"reward": 1.0, "correct": True, "n_answers": 2, "pred": "7"}
+    assert grade(tok, late) == {"reward": 1.0, "correct": True, "n_answers": 2, "pred": "7", "vote": "7"}
 
 
 def test_truncated_rollouts_score_zero_unless_asked(tok):
@@ -153,7 +153,7 @@ def test_a_hung_grade_is_bounded(tok, monkeypatch):
     res = g.results()
     waited = time.time() - t0
     release.set()
-    assert res == {hung.key: {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None}, ok.key: {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7"}}
+    assert res == {hung.key: {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}, ok.key: {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7", "vote": "7"}}
     assert waited < 15, waited  # ~2 s here; before: until the hang ended (60 s)
     assert g.stats["timed_out"] == 1 and g.stats["wait_s"] >= 1.5
     g.close()

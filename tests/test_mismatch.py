@@ -58,7 +58,7 @@ def test_fp32_engine_and_trainer_logprobs_agree(tiny, monkeypatch):
         return toks, lps
     monkeypatch.setattr(Engine, "sample", forced)
     engine = Engine(model, tok, kv_capacity=8 * 700, max_len=700, temperature=1.0, tools=EchoTools(), max_turns=5)
-    reqs = [Request(agent.render_prompt(tok, q), key=(0, i, s)) for i, q in enumerate(QUESTIONS) for s in range(2)]
+    reqs = [Request(data.render_prompt(tok, q), key=(0, i, s)) for i, q in enumerate(QUESTIONS) for s in range(2)]
     trajs = engine.run(iter_claim(reqs), 200)
     assert all(t.turns >= 2 and len(t.tool_calls) == 2 for t in trajs)
     assert all(0 in t.mask[t.mask.index(1):] for t in trajs)  # tool tokens sit between sampled ones

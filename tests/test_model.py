@@ -591,16 +591,18 @@ def test_fused_rms_norm_is_bitwise_the_written_out_form(dtype):
 
 @pytest.mark.slow
 def test_compiled_blocks_give_the_eager_gradients(monkeypatch):
-    """compile_blocks (inductor): the update's loss and gradients equal the eager path's within float tolerance,
+    """bench.compile_blocks (inductor): the update's loss and gradients equal the eager path's within float tolerance,
     on micro-batches of two shapes (one compile serves both: dynamic shapes), with and without activation
     checkpointing; the compiled layers really run (the compiler's frame counter moves)"""
     import torch._dynamo
+
+    import bench
     cfg = Config(model_type="qwen3", vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
     eager = Qwen(cfg)
     randomize(eager, seed=1)
-    compiled = model_module.compile_blocks(Qwen(cfg))
+    compiled = bench.compile_blocks(Qwen(cfg))
     compiled.load_state_dict(eager.state_dict())
     g = torch.Generator().manual_seed(8)
     batches = []

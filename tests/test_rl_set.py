@@ -181,7 +181,7 @@ def graded(problem, sample, gold, answer):
                    turns=1, finish="stop", meta={"answer": gold, "problem": problem})
     reward = math_task.reward(text, gold)
     grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
-             "pred": agent.extract_answer(text)}
+             "pred": agent.extract_answer(text), "vote": agent.extract_answer(text)}
     return summarize(t, grade)
 
 

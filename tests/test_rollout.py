@@ -54,7 +54,7 @@ def tiny(tmp_path_factory):
 
 def prompts_of(tok, n):
     # different lengths: cut the rendered prompts at different places
-    return [agent.render_prompt(tok, QUESTIONS[i % len(QUESTIONS)])[: 20 + 5 * i] for i in range(n)]
+    return [data.render_prompt(tok, QUESTIONS[i % len(QUESTIONS)])[: 20 + 5 * i] for i in range(n)]
 
 
 def test_greedy_equals_transformers_one_prompt_at_a_time(tiny):
@@ -125,7 +125,7 @@ def scripted(tok, value, extra_tokens):
 
 def test_other_rows_decode_while_a_row_waits_for_its_tool(tiny):
     _, tok, _ = tiny
-    prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:3]]
+    prompts = [data.render_prompt(tok, q) for q in QUESTIONS[:3]]
     scripts = {tuple(p): scripted(tok, v, extra) for p, v, extra in zip(prompts, (11, 22, 33), (0, 30, 30))}
     tools = SlowTools({"print(11)": 0.5})  # row 0's tool is slow, the others answer at once
     engine = Engine(Script(scripts, len(tok)), tok, kv_capacity=3 * 400, max_len=400, temperature=0.0,
@@ -147,12 +147,12 @@ def test_other_rows_decode_while_a_row_waits_for_its_tool(tiny):
         assert agent.extract_answer(text) == v
         # the loss mask is 1 exactly on the scripted (sampled) tokens
         assert [i for i, m in zip(t.response_ids, t.mask) if m] == scripts[tuple(t.prompt_ids)]
-        assert t.prompt_ids + t.response_ids == agent.render_prompt(tok, QUESTIONS[t.key[1]]) + t.response_ids
+        assert t.prompt_ids + t.response_ids == data.render_prompt(tok, QUESTIONS[t.key[1]]) + t.response_ids
 
 
 def test_budget_counts_tool_tokens_and_max_turns(tiny):
     _, tok, _ = tiny
-    p = agent.render_prompt(tok, QUESTIONS[0])
+    p = data.render_prompt(tok, QUESTIONS[0])
     script = scripted(tok, 11, 0)
     turn1 = script.index(tok.convert_tokens_to_ids("<|im_end|>")) + 1
     # the last case: the tool response does not fit, so the row finishes while being resumed
@@ -284,7 +284,7 @@ def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
     that holds every row's whole budget; the pool is never exceeded and is empty after the run"""
     path, tok, _ = tiny
     model = load_model(path)
-    prompts = [agent.render_prompt(tok, q) for q in QUESTIONS[:6]]
+    prompts = [data.render_prompt(tok, q) for q in QUESTIONS[:6]]
     reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
     results = {}
     for name, kv, reserve in (("large", 12 * 320, 1.0), ("small", 320, 0.0)):
@@ -315,7 +315,7 @@ def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
 
 def test_samples_of_a_prompt_hold_its_pages_once(tiny):
     path, tok, _ = tiny
-    p = agent.render_prompt(tok, QUESTIONS[1])[:-5]  # 2 full pages of 16 and a partial one
+    p = data.render_prompt(tok, QUESTIONS[1])[:-5]  # 2 full pages of 16 and a partial one
     assert len(p) % 16 and len(p) > 32
     engine = Engine(load_model(path), tok, kv_capacity=8 * 128, max_len=128, temperature=1.0)
     seen = []

@@ -44,7 +44,7 @@ def worker(rank, path, init_file, results):
         model.forward_cached = slow
     engine = Engine(model, tok, kv_capacity=2 * 128, max_len=128, temperature=1.0, seed=1)
     engine.stop_ids = set()  # always decode the full budget: equal work per request
-    reqs = [Request(agent.render_prompt(tok, f"What is {i} + {i}?"), key=(0, i, 0), meta={"problem": i})
+    reqs = [Request(data.render_prompt(tok, f"What is {i} + {i}?"), key=(0, i, 0), meta={"problem": i})
             for i in range(N_REQUESTS)]
     out = {}
     for mode in ("static", "dynamic"):

@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 import agent
 import data
 import train_sft
-from common import read_metrics
 from model import collate, load_model, token_logprobs
 from sandbox import SandboxPool
 
@@ -311,7 +310,7 @@ def test_two_ranks_match_one(tiny, mixed, tmp_path):
     # loss comes before any update (equal up to summation order); later ones and the weights drift a little
     # (Adam divides tiny gradients by tiny norms), far below what one different batch would change
     out, _ = sft(tiny, tmp_path / "sft2", ranks=2)
-    one, two = read_metrics(mixed[0]), read_metrics(out)
+    one, two = data.read_metrics(mixed[0]), data.read_metrics(out)
     # 28 conversations, 8 a step, 6 epochs
     assert [m["step"] for m in one] == [m["step"] for m in two] == list(range(1, 25))
     assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-6)

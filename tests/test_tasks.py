@@ -54,7 +54,9 @@ def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
     right = solution("def f(x):\n    return x * 3 - 1")
     half = solution("def f(x):\n    return x * 3 - 1 if x > 0 else 0")  # passes 2 of 4
     (code_right, code_half), _ = grades(CODE, [right, half], pool)
-    assert code_right == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "def f(x):\n    return x * 3 - 1"}
+    program = "def f(x):\n    return x * 3 - 1"
+    assert code_right == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": program,
+                          "vote": CODE.vote(ROW, program, None)}
     assert (code_half["reward"], code_half["correct"]) == (0.5, False)  # partial credit, not correct
     # the same trajectories under the math task: its reward reads \boxed{5} and knows nothing of tests
     (math_right, math_half), _ = grades(MATH, [right, half], pool)
