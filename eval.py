@@ -261,6 +261,8 @@ if __name__ == "__main__":
     samples = 16  # k samples per problem
     temperature = 0.6  # the paper's evaluation temperature
     top_p = 1.0  # nucleus sampling; 1.0 = off (the paper does not state it)
+    # decode steps: "eager", or at static shapes (model.Qwen.static_step) "static" or "compile" (inductor)
+    decode_mode = "eager"
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
     # a longer prompt is an error (the denominator must not change silently); with
     # keep_unsolved it is skipped, as train_rl.py skips it
@@ -347,7 +349,9 @@ if __name__ == "__main__":
         prompt_ids = [ids for ids in prompt_ids if len(ids) <= max_prompt_tokens]
         print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                "skipped, as train_rl.py skips them")
-    policy = load_model(model_path, device=device, dtype=getattr(torch, dtype)).eval()
+    # (no dropout in the model: nothing to switch to eval mode)
+    policy = load_model(model_path, device=device, dtype=getattr(torch, dtype))
+    policy.decode_mode = decode_mode
     max_len = max_prompt_tokens + max_response_tokens
     rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} "

@@ -110,13 +110,13 @@ class Summary:
     correct: bool  # the task's verdict, what avg@k and the metrics count
     n_answers: int  # <answer> blocks in what the policy sampled (RoC's p_format)
     pred: object  # the task's prediction; None: no answer
+    # what maj@k groups it by (eval.py): its pred, or what its task's vote(row, pred, trajectory) says
+    # (grading.Grader.grade); None: no vote
+    vote: object
     # what GRPO-RoC decided (train_rl.py): the penalty of every sample of a group it saw; the advantage of the kept
     penalty: float = None
     advantage: float = None
     kept: bool = False
-    # what maj@k groups it by (eval.py): its pred, or what its task's vote(row, pred, trajectory) says
-    # (grading.Grader.grade); None: no vote
-    vote: object = None
 
 
 def summarize(t, grade):
@@ -127,7 +127,7 @@ def summarize(t, grade):
                    agent.call_faults(t.tool_calls),
                    len(t.prompt_ids), len(t.response_ids), sum(t.mask),
                    grade["reward"], grade["correct"], grade["n_answers"], grade["pred"],
-                   vote=grade["vote"])
+                   grade["vote"])
 
 
 def rollout_metrics(summaries, tool_names=()):

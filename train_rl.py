@@ -83,6 +83,8 @@ max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
 temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
 top_p = 1.0  # nucleus sampling; 1.0 = off
+# decode steps: "eager", or at static shapes (model.Qwen.static_step) "static" or "compile" (inductor)
+decode_mode = "eager"
 # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_capacity = 0
 kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, optimizer state
@@ -235,6 +237,7 @@ init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
 policy = load_model(init_path, device="meta",
                     dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
+policy.decode_mode = decode_mode
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999),
                               weight_decay=weight_decay)
 # the frozen reference of the KL term: the run's starting model (never a resumed checkpoint, never

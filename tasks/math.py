@@ -8,7 +8,7 @@ A task is one file like this one, named by the `task` key of train_rl.py and eva
     COLUMNS        the JSONL columns every row must have (a missing one stops the run, naming file and line)
     TOOLS          its tool table, name -> agent.Tool (schema + run); {} offers no tool
     prompt(row)    the whole prompt text of a data row (agent.prompt_text renders the protocol's)
-    answer(turns)  the prediction read from the sampled turns (maj@k votes on it; None: no answer)
+    answer(turns)  the prediction read from the sampled turns (maj@k votes on it unless vote(); None: none)
     grade(row, pred, turns, grader, trajectory) -> (reward in [0, 1], correct): reward is what training uses,
                    correct what avg@k / pass@k / maj@k and the metrics count. It runs on grading.Grader's threads,
                    under its bounds; the grader offers what a grade may need: grader.run_in_helper (a function
@@ -18,7 +18,11 @@ A task is one file like this one, named by the `task` key of train_rl.py and eva
 and may define
     environment(row)  one new object per trajectory, the state its tools share (a game, a session): the tools
                    marked agent.Tool(stateful=True) run on it, grade() reads it, its close() runs when the
-                   trajectory ends however it ends (tasks/gridworld.py is the worked example)
+                   trajectory ends however it ends (tasks/gridworld.py is the worked example); with a
+                   respond(turn_text) method it answers a turn without a tool call: its string is the next
+                   user turn, None ends the episode (tasks/guess.py: a referee)
+    vote(row, pred, trajectory)  what maj@k groups the sample by (a hashable key; None: no vote), made with
+                   the grade; without it, the pred (tasks/code.py votes on the program, not its text)
 
 `row` is the whole JSONL row: every column reaches prompt() and grade().
 """

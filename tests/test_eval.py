@@ -206,7 +206,7 @@ def outputs(out_dir):
     with open(out_dir / "summary.json") as f:
         summary = json.load(f)
     summary.pop("wall_s"), summary.pop("peak_rss_mib")
-    for key in ("out_dir", "keep_unsolved", "keep_solved", "keep_min_correct"):
+    for key in ("out_dir", "keep_unsolved", "keep_solved", "keep_min_correct", "decode_mode"):
         summary["config"].pop(key)
     # the ranks write their trajectories as they finish: in (group, sample) order, read after a sort
     return summary, sorted(read_out(out_dir / "trajectories.jsonl"), key=lambda t: (t["group"], t["sample"]))
@@ -253,6 +253,11 @@ def test_script_same_numbers_with_same_seed(tiny, first_run, tmp_path):
     # practically impossible over 6 trajectories of up to 48 tokens)
     run_eval(tiny, tmp_path / "c", "--seed=1")
     assert outputs(tmp_path / "c")[1] != outputs(first_run[0])[1]
+    # the decode_mode key reaches the model: its static-shape steps give the eager tokens (tests/test_decode.py)
+    run_eval(tiny, tmp_path / "s", "--decode_mode=static")
+    assert outputs(tmp_path / "s") == outputs(first_run[0])
+    with pytest.raises(AssertionError, match="decode_mode 'graphs': eager, static or compile"):
+        run_eval(tiny, tmp_path / "g", "--decode_mode=graphs")
 
 
 def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):

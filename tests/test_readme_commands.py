@@ -79,11 +79,9 @@ REFERENCES = {
 DEMO_DATA = ["data.py", "prepare", "--out=out/tiny-base", "--n_train=8", "--n_heldout=4",
              "--n_sft=12"]
 DEMO_RL = ["train_rl.py", "configs/tiny_rl.py", *RL_STEP]  # out/tiny-rl
-# the SFT models the commands start from, each the base model copied: the commands are checked to
-# run, not to learn. out/tiny-sft is the demo's SFT (its command runs in tests/test_train.py);
-# out/tiny-sft-grid is "an SFT on those traces", which the README does not show (configs/
-# tiny_grid.py's comment does)
-STAND_INS = {"out/tiny-sft": "out/tiny-base", "out/tiny-sft-grid": "out/tiny-base"}
+# the SFT model the commands start from, the base model copied: the commands are checked to run,
+# not to learn. out/tiny-sft is the demo's SFT (its command runs in tests/test_train.py)
+STAND_INS = {"out/tiny-sft": "out/tiny-base"}
 # the files the data pages say to download, made from the fixture rows in each source's layout:
 # path -> (fixture file, {its column: the source's} kept and renamed, or None: all, as they are)
 AIME_2025 = {"problem": "question", "answer": "answer"}  # opencompass/AIME2025
