@@ -425,7 +425,7 @@ def multi_turn(ours, hf, tok, prompts, B, turn_len, reps):
     force_, tools, suffix, budget = turns_workload(tok, turn_len)
     max_len = max(map(len, P)) + budget + 1
     engine = Engine(Forced(ours, force_, tok), tok, kv_capacity=B * max_len, max_len=max_len, temperature=0.0,
-                    tools=tools, max_rows=B)
+                    sandbox=tools, max_rows=B)
 
     def run_ours():
         engine.stats["prefill_tokens"] = 0
@@ -501,7 +501,7 @@ def paging(ours, tok, prompts, B, reps):
                 model = StopAt(ours, force_l, P) if name == "l" else Forced(ours, force_b, tok)
                 # full: the engine before paging, mem rows of max_len; paged: up to `rows` rows in that memory
                 engines[(mem, kind)] = Engine(model, tok, kv_capacity=mem * max_len, max_len=max_len,
-                                              temperature=0.0, tools=tools if name == "b" else None,
+                                              temperature=0.0, sandbox=tools if name == "b" else None,
                                               reserve=reserve, max_rows=mem if kind == "full" else rows)
 
         def run(engine, P=P, budget=budget):  # engine.stats counts one run

@@ -30,7 +30,7 @@ Metrics (summary.json, summary.md, printed):
                  whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
                  a tie goes to the answer sampled first among the tied ones; samples without a
                  (non-empty) answer do not vote. The vote is correct if the first sample with the
-                 winning answer is correct. The answers are the task's predictions (task.answer), or what
+                 winning answer is correct. The answers are the task's predictions (task.predict), or what
                  the row's task's vote(row, pred, trajectory) returns when it has one (a hashable key;
                  None: no vote; it runs with the grade, under its bounds): tasks/code.py votes on
                  the program's syntax tree, not its text. For the math task it is a plain string vote:
@@ -106,27 +106,27 @@ def metrics(groups):
         raise ValueError(f"need the same non-zero number of samples for every problem, "
                          f"got {[len(group) for group in groups]}")
     k = len(groups[0])
-    trajs = [traj for group in groups for traj in group]
+    summaries = [summary for group in groups for summary in group]
     per_problem = []
     for index, group in enumerate(groups):
         # how many of the problem's k samples are right
-        correct = sum(bool(traj.correct) for traj in group)
+        correct = sum(bool(summary.correct) for summary in group)
         # the index of the vote's winner, None: no sample answered
-        winner = majority_vote([traj.vote for traj in group])
+        winner = majority_vote([summary.vote for summary in group])
         # the problem's row: its counts, its vote, its lengths, its tool calls and endings
         per_problem.append({
             "index": index,
-            "gold": group[0].answer,
+            "gold": group[0].gold,
             "samples": k,
             "correct": correct,
             "accuracy": correct / k,
             "maj_answer": None if winner is None else group[winner].pred,
             "maj_correct": 0.0 if winner is None else float(group[winner].correct),
-            "preds": [traj.pred for traj in group],
-            "response_len": statistics.fmean(traj.n_response for traj in group),
-            "tool_calls": sum(len(traj.calls) for traj in group),
-            "tool_errors": sum(agent.n_failed(traj.calls) for traj in group),
-            "truncated": sum(traj.finish == "length" for traj in group),
+            "preds": [summary.pred for summary in group],
+            "response_len": statistics.fmean(summary.n_response for summary in group),
+            "tool_calls": sum(len(summary.call_statuses) for summary in group),
+            "tool_errors": sum(agent.n_failed(summary.call_statuses) for summary in group),
+            "truncated": sum(summary.finish == "length" for summary in group),
         })
     accuracies = [row["accuracy"] for row in per_problem]
     summary = {
@@ -134,7 +134,7 @@ def metrics(groups):
         "samples": k,
         "avg@k": statistics.fmean(accuracies),
         # the mean reward: partial rewards count, not only 1s
-        "reward": statistics.fmean(traj.reward for traj in trajs),
+        "reward": statistics.fmean(summary.reward for summary in summaries),
         "avg@k_se": statistics.stdev(accuracies) / math.sqrt(len(accuracies))
                     if len(accuracies) > 1 else 0.0,
         # pass@j for j = 1, 2, 4, ... below k, and k itself
@@ -145,12 +145,12 @@ def metrics(groups):
         "pass@k": statistics.fmean(pass_at_k(k, row["correct"], k) for row in per_problem),
         "maj@k": statistics.fmean(row["maj_correct"] for row in per_problem),
         # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
-        **rollout_metrics(trajs),
-        "rollout/response_len_median": statistics.median(traj.n_response for traj in trajs),
-        "rollout/sampled_len": statistics.fmean(traj.n_sampled for traj in trajs),
-        "rollout/sampled_len_median": statistics.median(traj.n_sampled for traj in trajs),
-        "rollout/max_turns_frac": sum(traj.finish == "max_turns" for traj in trajs) / len(trajs),
-        "rollout/no_answer_frac": sum(not traj.pred for traj in trajs) / len(trajs),
+        **rollout_metrics(summaries),
+        "rollout/response_len_median": statistics.median(summary.n_response for summary in summaries),
+        "rollout/sampled_len": statistics.fmean(summary.n_sampled for summary in summaries),
+        "rollout/sampled_len_median": statistics.median(summary.n_sampled for summary in summaries),
+        "rollout/max_turns_frac": sum(summary.finish == "max_turns" for summary in summaries) / len(summaries),
+        "rollout/no_answer_frac": sum(not summary.pred for summary in summaries) / len(summaries),
     }
     return summary, per_problem
 
@@ -179,41 +179,41 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
                desc="eval", unit="traj", dynamic_ncols=True)
     # grades off the decode loop, by the task's rule, on its rows
     grader = grading.Grader(tokenizer, score_truncated,
-                            task=task, rows=problems, sandbox=engine.tools)
+                            task=task, rows=problems, sandbox=engine.sandbox)
     # (trajectory, its grade's future) of the trajectories not yet graded
     waiting = []
-    # what is kept of the graded ones
-    summaries = []
+    # what is kept of the graded ones (this rank's summaries)
+    mine = []
 
     def let_go(final=None):
         """The graded trajectories: summarised, handed to on_graded, dropped. final (the grader's
         results(), at the end): every trajectory still waiting takes its grade from there."""
-        for traj, grade in list(waiting):
+        for trajectory, future in list(waiting):
             # a grade still running waits for a later call
-            if final is not None or grade.done():
+            if final is not None or future.done():
                 # what is kept of it: its summary, with the grade's result
-                summaries.append(summarize(traj,
-                                           grade.result() if grade.done() else final[traj.key]))
+                mine.append(summarize(trajectory, future.result() if future.done()
+                                      else final[trajectory.key]))
                 # handed over before it is let go (e.g. written down)
                 if on_graded is not None:
-                    on_graded(traj, summaries[-1])
+                    on_graded(trajectory, mine[-1])
                 # let go: no longer waiting
-                waiting.remove((traj, grade))
+                waiting.remove((trajectory, future))
                 # the grader keeps every grade's future until results() (~1.9 KB each, with its lock and
                 # deque): a grade read here is dropped there too, so memory stays flat over 42K × 8 samples
-                grader.pending.pop(traj.key, None)
+                grader.pending.pop(trajectory.key, None)
 
-    def on_finish(traj):
-        waiting.append((traj, grader(traj)))
+    def on_finish(trajectory):
+        waiting.append((trajectory, grader(trajectory)))
         bar.update(1)
         let_go()
 
     generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
-    trajs = sorted((summary for part in gather(summaries) for summary in part),
-                   key=lambda summary: summary.key)
-    groups = [trajs[i * samples:(i + 1) * samples] for i in range(len(problems))]
+    summaries = sorted((summary for part in gather(mine) for summary in part),
+                       key=lambda summary: summary.key)
+    groups = [summaries[i * samples:(i + 1) * samples] for i in range(len(problems))]
     summary, per_problem = metrics(groups)
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
     names = [grading.row_task(problem, task).__name__ for problem in problems]
@@ -350,10 +350,10 @@ if __name__ == "__main__":
         print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                "skipped, as train_rl.py skips them")
     # (no dropout in the model: nothing to switch to eval mode)
-    policy = load_model(model_path, device=device, dtype=getattr(torch, dtype))
-    policy.decode_mode = decode_mode
+    model = load_model(model_path, device=device, dtype=getattr(torch, dtype))
+    model.decode_mode = decode_mode
     max_len = max_prompt_tokens + max_response_tokens
-    rows = kv_rows(policy, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
+    rows = kv_rows(model, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} "
            f"| model {model_path} | T {temperature} top-p {top_p} | budget {max_response_tokens} "
            f"| turns {max_turns} | {world} rank(s) × {rows} rows")
@@ -361,21 +361,21 @@ if __name__ == "__main__":
     dump = open(os.path.join(out_dir, f"trajectories.jsonl.{rank}"), "w") if save_trajectories else None
 
     # train_rl.py's dump record, written by the rank that made the trajectory
-    def write(traj, summary):
-        dump.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
-                             tokenizer.decode(traj.prompt_ids)))
+    def write(trajectory, summary):
+        dump.write(dump_line(trajectory, summary, tokenizer, problems[summary.problem].get("question"),
+                             tokenizer.decode(trajectory.prompt_ids)))
 
     # the peak reported below is the evaluation's own: the load's (torch, the weights) is forgotten here
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     t0 = time.time()
     with SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
-                     isolation=tool_isolation) as tools:
-        engine = Engine(policy, tokenizer, kv_capacity=rows * max_len, max_len=max_len,
+                     isolation=tool_isolation) as sandbox:
+        engine = Engine(model, tokenizer, kv_capacity=rows * max_len, max_len=max_len,
                         temperature=temperature, top_p=top_p, seed=seed,
-                        tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                        sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                         tool_max_chars=tool_max_chars, deterministic=deterministic,
-                        tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+                        tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens,
                                         rollout_split, score_truncated=score_truncated,
                                         prompt_ids=prompt_ids,

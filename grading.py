@@ -6,7 +6,7 @@ A Grader is the engine's on_finish callback. It grades each finished trajectory 
 threads, so the decode loop never waits for a reward (the paper's §3.1 verifies asynchronously too), with the
 task's own functions (tasks/math.py is the default; a task is one file, see the README's "Fork it"):
 
-    pred = task.answer(turns)                                        # the prediction (None: no answer)
+    pred = task.predict(turns)                                        # the prediction (None: no answer)
     reward, correct = task.grade(row, pred, turns, grader, trajectory)   # reward in [0, 1]; correct for metrics
     vote = task.vote(row, pred, trajectory)     # if the task has vote(): what maj@k groups by (else the pred)
 
@@ -136,7 +136,7 @@ class Grader:
                  start_timeout=60.0, task=None, rows=None, sandbox=None):
         self.tok = tokenizer
         self.score_truncated = score_truncated
-        # the task's answer() and grade(); the rows its grade reads (request meta "problem" indexes them;
+        # the task's predict() and grade(); the rows its grade reads (request meta "problem" indexes them;
         # without rows the request's meta is the row); the sandbox pool a grade that runs code uses
         self.task = task or load_task("tasks/math.py")
         self.rows = rows
@@ -156,13 +156,13 @@ class Grader:
         self.counts = dict.fromkeys(counters, 0)
         self.stats = {}
 
-    def __call__(self, traj):
+    def __call__(self, trajectory):
         # everything, decoding included, on the grading threads: the engine only hands the trajectory over
         while len(self.threads) < self.size:
             self._add_thread()
-        fut = self.pending[traj.key] = concurrent.futures.Future()
-        row = traj.meta if self.rows is None else self.rows[traj.meta["problem"]]
-        self.jobs.put((fut, (traj, row)))
+        fut = self.pending[trajectory.key] = concurrent.futures.Future()
+        row = trajectory.meta if self.rows is None else self.rows[trajectory.meta["problem"]]
+        self.jobs.put((fut, (trajectory, row)))
         return fut  # its grade: eval.py lets the trajectory go once it is done
 
     def _add_thread(self):
@@ -187,24 +187,24 @@ class Grader:
         with self.lock:
             self.counts[key] += 1
 
-    def grade(self, traj, row):
+    def grade(self, trajectory, row):
         """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred, vote}, by the
         row's task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not
         correct, without grade(). vote is what maj@k groups it by: the pred, unless the task has
         vote(row, pred, trajectory) (tasks/code.py: the program, not its text)."""
         task = row_task(row, self.task)
-        turns = sampled_turns(self.tok, traj.response_ids, traj.mask)
-        pred = task.answer(turns)
+        turns = sampled_turns(self.tok, trajectory.response_ids, trajectory.mask)
+        pred = task.predict(turns)
         reward = 0.0
         correct = False
-        if traj.finish != "length" or self.score_truncated:
-            reward, correct = task.grade(row, pred, turns, self, traj)
+        if trajectory.finish != "length" or self.score_truncated:
+            reward, correct = task.grade(row, pred, turns, self, trajectory)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
         n_answers = count_answers(turns)
         vote = getattr(task, "vote", None)
         return {"reward": float(reward), "correct": bool(correct), "n_answers": n_answers,
-                "pred": pred, "vote": vote(row, pred, traj) if vote else pred}
+                "pred": pred, "vote": vote(row, pred, trajectory) if vote else pred}
 
     def refuses(self, text):
         """True, counted as refused, when text is too big to hand to a parser: longer than MAX_ANSWER_CHARS
@@ -331,7 +331,7 @@ def load_file(name):
 def load_task(name):
     """A task (loaded once per process): a file or module as load_file reads it. See tasks/math.py for what a task defines."""
     task = load_file(name)
-    pieces = ("COLUMNS", "TOOLS", "prompt", "answer", "grade")
+    pieces = ("COLUMNS", "TOOLS", "prompt", "predict", "grade")
     missing = [key for key in pieces if not hasattr(task, key)]
     if missing:
         raise ValueError(f"task {name!r} does not define {', '.join(missing)} "

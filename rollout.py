@@ -58,7 +58,7 @@ class Request:
     key: tuple = (0, 0, 0)  # (step, prompt index, sample index): seeds the row's generator
     # passed through to the trajectory (e.g. the gold answer)
     meta: dict = field(default_factory=dict)
-    # the tool table of the row's task (name -> agent.Tool); None: the engine's tool_table
+    # the tool table of the row's task (name -> agent.Tool); None: the engine's tools
     tools: dict = None
     # makes the trajectory's environment, called once when the row is claimed (e.g. functools.partial(
     # task.environment, row)); None: the task keeps no state across calls
@@ -86,14 +86,14 @@ class Trajectory:
 # a row's states (see Row)
 WAITING = "waiting"
 DECODE = "decode"
-TOOLS = "tools"
+PARKED = "parked"
 
 
 class Row:
     """The per-row state machine of the engine (one slot of the KV cache):
     waiting: not in the KV (claimed, or preempted); `pending` holds its whole context, to prefill
     decode:  in the KV, sampling and decoding
-    tools:   parked on its tool calls (`calls`), in the KV unless preempted meanwhile"""
+    parked:  on its tool calls (`calls`) or its environment's reply, in the KV unless preempted meanwhile"""
 
     def __init__(self, req, slot, gen, budget, seq):
         self.req = req
@@ -283,7 +283,7 @@ class Pager:
         most recently admitted (the oldest rows keep going, so every row finishes)."""
         # rows in `work` not yet in the KV can be sent back to wait: that frees nothing but their claim
         held = [row for row in rows.values() if self.cache.holds(row.slot) or row in work]
-        return max(held, key=lambda row: (row.state == TOOLS, row.seq))
+        return max(held, key=lambda row: (row.state == PARKED, row.seq))
 
     def preempt(self, row):
         """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
@@ -314,25 +314,25 @@ CALL_MARGIN = 30.0
 
 class Engine:
     def __init__(self, model, tokenizer, kv_capacity=8192, max_len=1024, temperature=1.0, top_p=1.0,
-                 seed=0, tools=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
+                 seed=0, sandbox=None, max_turns=10, max_calls_per_turn=1, tool_max_chars=256,
                  prefill_tokens=16384, log_events=False, reserve=0.5, max_rows=None, page_size=None,
-                 deterministic=False, tool_table=agent.PYTHON_TOOLS, call_timeout=None):
+                 deterministic=False, tools=agent.PYTHON_TOOLS, call_timeout=None):
         """kv_capacity: KV tokens in the pool; max_len: prompt + response tokens of one row; reserve: the
         share of a row's response budget promised to it at admission (1 = the whole budget, no
         over-commit), or "auto": a share that follows what the run's rows use (Pager); max_rows: most
         rows at once (default: as many reservations of reserve x max_len as the pool holds; auto: one
         per page, so pass the rank's share of a step's rollouts: an engine holding more at once takes
         them from engines that would run them sooner); page_size: tokens per page (flash-attn needs a
-        multiple of 256; 16 elsewhere). tools: the sandbox pool; tool_table: the task's tools, name ->
-        agent.Tool (a call runs as tool_table[name].run(arguments, tools)); a Request's own table and
+        multiple of 256; 16 elsewhere). sandbox: the sandbox pool; tools: the task's tool table, name ->
+        agent.Tool (a call runs as tools[name].run(arguments, sandbox)); a Request's own table and
         environment replace them for its row. call_timeout: seconds a parked row waits for its calls; one
         still unanswered then is answered "timeout" (a failed call) and never waited on again. None: the
         sandbox pool's own bound (its queue wait + its time limit) + CALL_MARGIN, so a sandbox call is
         always answered by the pool first."""
         self.model = model
         self.tok = tokenizer
+        self.sandbox = sandbox
         self.tools = tools
-        self.tool_table = tool_table
         self.max_len = max_len
         self.temperature = temperature
         self.top_p = top_p
@@ -342,8 +342,8 @@ class Engine:
         self.tool_max_chars = tool_max_chars
         # padded tokens per prefill forward (activation memory)
         self.prefill_tokens = prefill_tokens
-        self.call_timeout = call_timeout or (getattr(tools, "queue_timeout", 60.0)
-                                             + getattr(tools, "timeout", 4.0)
+        self.call_timeout = call_timeout or (getattr(sandbox, "queue_timeout", 60.0)
+                                             + getattr(sandbox, "timeout", 4.0)
                                              + CALL_MARGIN)
         # wait for every tool answer before the next step (no overlap of tools and decoding), so which rows
         # share a forward never depends on how fast the tools answered: on CPU a matmul over 1-5 rows
@@ -386,7 +386,7 @@ class Engine:
         an empty list; on_finish sees each one, so memory does not grow with the requests). self.stats counts
         this run only."""
         temperature = self.temperature if temperature is None else temperature
-        tools = self.tools if use_tools else None
+        sandbox = self.sandbox if use_tools else None
         # the rows claimed and not finished, by KV slot
         rows = {}
         # the free slots, taken from the end: slot 0 first
@@ -411,7 +411,7 @@ class Engine:
                 todo = []
                 # the rows parked on their tool calls, and their calls still out (step 5 waits on those
                 # too when no row decodes)
-                parked = [row for row in rows.values() if row.state == TOOLS]
+                parked = [row for row in rows.values() if row.state == PARKED]
                 futures = [future for row in parked for _, future in row.calls if future is not None]
                 if self.deterministic:
                     # every answer first (or every deadline passed), so which rows share the next forward does not
@@ -434,7 +434,7 @@ class Engine:
                 ready = [row for row in rows.values() if row.logits is not None]
                 if ready:
                     for row, token, logprob in zip(ready, *self.sample(ready, temperature)):
-                        self.step_row(row, token, logprob, tools)
+                        self.step_row(row, token, logprob, sandbox)
                     # rows preempted since their last forward sample too, but decode only after re-admission
                     going = [Feed(row, row.pending) for row in ready
                              if row.state == DECODE and not row.traj.finish]
@@ -573,7 +573,7 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     # the agent loop: a sampled token, the end of a turn, tool calls, parking and resuming
 
-    def step_row(self, row, token, logprob, tools):
+    def step_row(self, row, token, logprob, sandbox):
         """Append one sampled token to the row's trajectory; end its turn on a stop token, or the row
         on its budget."""
         traj = row.traj
@@ -586,23 +586,23 @@ class Engine:
         # the assistant turn is over
         if token in self.stop_ids:
             traj.turns += 1
-            self.end_turn(row, tools)
+            self.end_turn(row, sandbox)
         # the response budget is spent
         elif len(traj.response_ids) >= row.budget:
             traj.finish = "length"
 
-    def end_turn(self, row, tools):
+    def end_turn(self, row, sandbox):
         """Parse the finished turn: no tool call ends the trajectory (so does the turn limit), unless
         the trajectory's environment answers the turn (respond(text): the next user turn's text, None:
         the end); else the row is parked on its calls, which go to the sandbox pool (or on the
         environment's reply), and the other rows keep decoding."""
         traj = row.traj
         # the row's task's tools
-        table = self.tool_table if row.req.tools is None else row.req.tools
+        tools = self.tools if row.req.tools is None else row.req.tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
         # Plain completions (generate, use_tools=False) parse nothing: a turn is the whole answer
         text = self.tok.decode(traj.response_ids[row.turn_start:])
-        calls = [] if tools is None else agent.parse_tool_calls(text, self.max_calls, table)
+        calls = [] if sandbox is None else agent.parse_tool_calls(text, self.max_calls, tools)
         # a turn without a call: the trajectory's environment may answer it (a referee, a simulated
         # user) with the next user turn, or end the episode (None). It sees the turn at the turn limit too
         respond = getattr(traj.environment, "respond", None)
@@ -615,8 +615,8 @@ class Engine:
             # park the row (its KV stays) and dispatch each call to its tool by name; the tools answer on their
             # own threads. A malformed call is answered with the error text, never dropped: no future. Each call
             # starts here, once: a preempted row is re-admitted with its answers, never with its calls again
-            row.state = TOOLS
-            row.calls = [agent.start_call(call, table, tools, traj.environment) for call in calls]
+            row.state = PARKED
+            row.calls = [agent.start_call(call, tools, sandbox, traj.environment) for call in calls]
             row.deadline = time.monotonic() + self.call_timeout
             self.log("tool_start", row, n=len(calls))
 

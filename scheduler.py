@@ -95,10 +95,10 @@ class Summary:
     the metrics, RoC and the dumps read."""
     key: tuple  # (step, group, sample)
     problem: int  # the data row it answers
-    answer: object  # the row's gold answer (None when the task's rows have none)
+    gold: object  # the row's gold answer (None when the task's rows have none)
     turns: int
     finish: str
-    calls: list  # one status per tool call (agent.TOOL_ERRORS are the failures)
+    call_statuses: list  # one status per tool call (agent.TOOL_ERRORS are the failures)
     call_tools: list  # the tool each call named ("" when it did not parse or named no known tool)
     # per call: "unparsed", "unknown_tool", "repeat" (the previous call again), or ""
     call_faults: list
@@ -119,13 +119,15 @@ class Summary:
     kept: bool = False
 
 
-def summarize(t, grade):
-    """The Summary of trajectory t, graded `grade` (a dict from grading.Grader.grade)."""
-    return Summary(t.key, t.meta["problem"], t.meta.get("answer"), t.turns, t.finish,
-                   [c["status"] for c in t.tool_calls],
-                   [c.get("tool", "") for c in t.tool_calls],
-                   agent.call_faults(t.tool_calls),
-                   len(t.prompt_ids), len(t.response_ids), sum(t.mask),
+def summarize(trajectory, grade):
+    """The Summary of a trajectory, graded `grade` (a dict from grading.Grader.grade)."""
+    calls = trajectory.tool_calls
+    return Summary(trajectory.key, trajectory.meta["problem"], trajectory.meta.get("answer"),
+                   trajectory.turns, trajectory.finish,
+                   [call["status"] for call in calls],
+                   [call.get("tool", "") for call in calls],
+                   agent.call_faults(calls),
+                   len(trajectory.prompt_ids), len(trajectory.response_ids), sum(trajectory.mask),
                    grade["reward"], grade["correct"], grade["n_answers"], grade["pred"],
                    grade["vote"])
 
@@ -136,23 +138,23 @@ def rollout_metrics(summaries, tool_names=()):
     the tool-format health: the share of calls that did not parse, named no tool of the table, or repeated the call
     before; per tool in tool_names, its calls per trajectory and their failed share)."""
     count = len(summaries)
-    calls = [status for traj in summaries for status in traj.calls]
-    faults = [fault for traj in summaries for fault in traj.call_faults]
+    calls = [status for summary in summaries for status in summary.call_statuses]
+    faults = [fault for summary in summaries for fault in summary.call_faults]
     error_share = lambda statuses: agent.n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
-        "rollout/response_len": sum(traj.n_response for traj in summaries) / count,
-        "rollout/truncated_frac": sum(traj.finish == "length" for traj in summaries) / count,
-        "rollout/turns": sum(traj.turns for traj in summaries) / count,
+        "rollout/response_len": sum(summary.n_response for summary in summaries) / count,
+        "rollout/truncated_frac": sum(summary.finish == "length" for summary in summaries) / count,
+        "rollout/turns": sum(summary.turns for summary in summaries) / count,
         "tool/calls": len(calls) / count,
         "tool/err": error_share(calls),
-        "tool/err_pos": error_share([status for traj in summaries if traj.correct
-                                     for status in traj.calls]),
+        "tool/err_pos": error_share([status for summary in summaries if summary.correct
+                                     for status in summary.call_statuses]),
         **{f"tool/{fault}": faults.count(fault) / max(1, len(faults))
            for fault in ("unparsed", "unknown_tool", "repeat")},
     }
     for name in tool_names:
-        statuses = [status for traj in summaries
-                    for status, tool in zip(traj.calls, traj.call_tools) if tool == name]
+        statuses = [status for summary in summaries
+                    for status, tool in zip(summary.call_statuses, summary.call_tools) if tool == name]
         metrics[f"tool/calls/{name}"] = len(statuses) / count
         metrics[f"tool/err/{name}"] = error_share(statuses)
     return metrics
@@ -161,11 +163,11 @@ def rollout_metrics(summaries, tool_names=()):
 def task_metrics(summaries, task_of):
     """The totals' reward, correct share and failed-call share, per task (task_of(summary) names it): task/<name>/."""
     metrics = {}
-    for name in sorted({task_of(traj) for traj in summaries}):
-        mine = [traj for traj in summaries if task_of(traj) == name]
-        calls = [status for traj in mine for status in traj.calls]
-        metrics[f"task/{name}/reward"] = sum(traj.reward for traj in mine) / len(mine)
-        metrics[f"task/{name}/correct"] = sum(traj.correct for traj in mine) / len(mine)
+    for name in sorted({task_of(summary) for summary in summaries}):
+        mine = [summary for summary in summaries if task_of(summary) == name]
+        calls = [status for summary in mine for status in summary.call_statuses]
+        metrics[f"task/{name}/reward"] = sum(summary.reward for summary in mine) / len(mine)
+        metrics[f"task/{name}/correct"] = sum(summary.correct for summary in mine) / len(mine)
         metrics[f"task/{name}/tool_err"] = agent.n_failed(calls) / max(1, len(calls))
     return metrics
 
@@ -179,12 +181,13 @@ def gather(obj):
     return out
 
 
-def gather_summaries(trajs, grades):
+def gather_summaries(trajectories, grades):
     """The Summary of every trajectory of every rank, ordered by key, on every rank (grades: {key: grade} of
     this rank's trajectories)."""
-    return sorted((s for part in gather([summarize(t, grades[t.key]) for t in trajs])
-                   for s in part),
-                  key=lambda s: s.key)
+    # this rank's summaries, then every rank's
+    mine = [summarize(trajectory, grades[trajectory.key]) for trajectory in trajectories]
+    return sorted((summary for part in gather(mine) for summary in part),
+                  key=lambda summary: summary.key)
 
 
 class Tokens(NamedTuple):
@@ -197,22 +200,25 @@ class Tokens(NamedTuple):
     logprobs: np.ndarray
 
 
-def compact(t):
-    return Tokens(t.key, np.asarray(t.prompt_ids, np.int32), np.asarray(t.response_ids, np.int32),
-                  np.asarray(t.mask, np.uint8), np.asarray(t.logprobs, np.float32))
+def compact(trajectory):
+    return Tokens(trajectory.key,
+                  np.asarray(trajectory.prompt_ids, np.int32),
+                  np.asarray(trajectory.response_ids, np.int32),
+                  np.asarray(trajectory.mask, np.uint8),
+                  np.asarray(trajectory.logprobs, np.float32))
 
 
-def exchange(trajs, dest):
+def exchange(trajectories, dest):
     """Send each of this rank's trajectories whose key is in dest to rank dest[key], compacted; returns
     {key: Tokens} of those sent here, from every rank. One
     all-to-all of pickled bytes over the gloo group: each rank sends and receives only its own share."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     out = [[] for _ in range(world)]
-    for t in trajs:
-        if t.key in dest:
-            out[dest[t.key]].append(compact(t))
+    for trajectory in trajectories:
+        if trajectory.key in dest:
+            out[dest[trajectory.key]].append(compact(trajectory))
     if world == 1:
-        return {c.key: c for c in out[0]}
+        return {tokens.key: tokens for tokens in out[0]}
     send = [np.frombuffer(pickle.dumps(o, protocol=5), np.uint8) for o in out]
     sizes = torch.tensor([len(b) for b in send])
     recv_sizes = torch.empty_like(sizes)
@@ -229,21 +235,21 @@ def exchange(trajs, dest):
 # -----------------------------------------------------------------------------
 # the dumps: every trajectory written down by the rank that made it, the ranks' parts joined by rank 0
 
-def dump_line(traj, summary, tokenizer, question, prompt, **step_keys):
+def dump_line(trajectory, summary, tokenizer, question, prompt, **step_keys):
     """One trajectory as one JSON line: the record of train_rl.py's rollouts/step_*.jsonl.gz and of eval.py's
     trajectories.jsonl (view.py reads both). The response in runs of one mask value, the tool calls, the grade
     and RoC's decisions (None / false in eval); step_keys: training's step and group_kind."""
     return json.dumps({
         **step_keys,
-        "group": traj.key[1],
-        "sample": traj.key[2],
+        "group": trajectory.key[1],
+        "sample": trajectory.key[2],
         "question": question,
-        "answer": summary.answer,
+        "answer": summary.gold,
         "prompt": prompt,
-        "segments": agent.mask_runs(tokenizer, traj.response_ids, traj.mask),
-        "response_ids": traj.response_ids,
-        "mask": traj.mask,
-        "tool_calls": traj.tool_calls,
+        "segments": agent.mask_runs(tokenizer, trajectory.response_ids, trajectory.mask),
+        "response_ids": trajectory.response_ids,
+        "mask": trajectory.mask,
+        "tool_calls": trajectory.tool_calls,
         "finish": summary.finish,
         "turns": summary.turns,
         "reward": summary.reward,

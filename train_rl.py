@@ -222,22 +222,23 @@ if resume and not start:
         "nothing to resume; drop --resume to start this run from step 0")
 # the tool's sandbox pool, started (or refused) before the model loads, and asked one call to see it answers
 try:
-    tools = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
-                        isolation=tool_isolation).start()
+    sandbox = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
+                          isolation=tool_isolation).start()
 except (ValueError, RuntimeError) as e:
     raise SystemExit(f"sandbox error: {e}")
-probe = tools.map(["print(6 * 7)"])[0]
+probe = sandbox.map(["print(6 * 7)"])[0]
 if probe.stdout.strip() != "42":
-    tools.close()
+    sandbox.close()
     raise SystemExit(f"sandbox error: a probe call printed {probe.stdout!r} "
                      f"({probe.status}: {probe.stderr[-300:]})")
-# the policy: FSDP2 training shards (fp32 master weights) + one unsharded inference copy per rank, built
-# empty: sync_policy fills it before the first rollout (reading the checkpoint once, not twice)
+# the policy: FSDP2 training shards (fp32 master weights: model) + one unsharded inference copy per rank
+# (rollout_model, the engine's), built empty: sync_rollout_model fills it before the first rollout (reading
+# the checkpoint once, not twice)
 init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
-policy = load_model(init_path, device="meta",
-                    dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
-policy.decode_mode = decode_mode
+rollout_model = load_model(init_path, device="meta",
+                           dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
+rollout_model.decode_mode = decode_mode
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999),
                               weight_decay=weight_decay)
 # the frozen reference of the KL term: the run's starting model (never a resumed checkpoint, never
@@ -265,9 +266,9 @@ if not start and not data_restart and os.path.isfile(os.path.join(model_path, "t
 
 
 @torch.no_grad()
-def sync_policy():
+def sync_rollout_model():
     """Hand the new weights to this rank's engine: gather each shard, one parameter at a time."""
-    for param, engine_param in zip(model.parameters(), policy.parameters()):
+    for param, engine_param in zip(model.parameters(), rollout_model.parameters()):
         engine_param.copy_(full_value(param))
 
 
@@ -287,15 +288,15 @@ def micro_batch(kept, indices, advantages, tokens):
     tagged with its trajectory's advantage and index into `kept` (traj_index)."""
     seqs = []
     for index in indices:
-        traj = tokens[kept[index].key]
-        seq = np.concatenate([traj.prompt_ids, traj.response_ids])
-        pad = np.zeros(len(traj.prompt_ids) - 1)
+        arrays = tokens[kept[index].key]
+        seq = np.concatenate([arrays.prompt_ids, arrays.response_ids])
+        pad = np.zeros(len(arrays.prompt_ids) - 1)
         seqs.append({"ids": seq[:-1],
                      "tgt": seq[1:],
                      "adv": np.full(len(seq) - 1, advantages[index]),
                      # the loss reads the sampled tokens only (mask 1), and the engine's log-prob of each
-                     "mask": np.concatenate([pad, traj.mask]),
-                     "engine_logprobs": np.concatenate([pad, traj.logprobs]),
+                     "mask": np.concatenate([pad, arrays.mask]),
+                     "engine_logprobs": np.concatenate([pad, arrays.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
     return collate(seqs, device, packed)
 
@@ -309,13 +310,14 @@ def dump_step(step, mine, summaries):
     by_key, prompts = {summary.key: summary for summary in summaries}, {}
     # level 9, the default, is 12x slower for 10% less
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:
-        for traj in mine:
-            summary, group = by_key[traj.key], traj.key[1]
+        for trajectory in mine:
+            summary, group = by_key[trajectory.key], trajectory.key[1]
             kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
             if summary.problem not in prompts:  # a group's samples share their prompt: decoded once
-                prompts[summary.problem] = tokenizer.decode(traj.prompt_ids)
-            f.write(dump_line(traj, summary, tokenizer, problems[summary.problem].get("question"),
-                              prompts[summary.problem], step=step, group_kind=kind))
+                prompts[summary.problem] = tokenizer.decode(trajectory.prompt_ids)
+            question = problems[summary.problem].get("question")
+            f.write(dump_line(trajectory, summary, tokenizer, question, prompts[summary.problem],
+                              step=step, group_kind=kind))
     barrier()
     if rank == 0:
         join_parts(path, world)
@@ -324,15 +326,16 @@ def dump_step(step, mine, summaries):
 # this rank's share of a step's rollouts: the most rows its engine holds at once (with reserve="auto" an engine
 # holding more would take rollouts from engines that would run them sooner), and the most rows of KV it needs
 rollouts_per_rank = -(-prompts_per_step * samples_per_prompt // world)
-n_rows = kv_rows(policy, max_len, kv_capacity, kv_fraction, limit=rollouts_per_rank)
+n_rows = kv_rows(rollout_model, max_len, kv_capacity, kv_fraction, limit=rollouts_per_rank)
 # the task's rewards, off the decode loop
-grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems, sandbox=tools)
-engine = Engine(policy, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
+grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems,
+                        sandbox=sandbox)
+engine = Engine(rollout_model, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
                 max_rows=rollouts_per_rank, reserve="auto" if kv_reserve is None else kv_reserve,
                 temperature=temperature, top_p=top_p, seed=seed,
-                tools=tools, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                 tool_max_chars=tool_max_chars, deterministic=deterministic,
-                tool_table=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+                tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 # every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
 # made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
@@ -348,7 +351,7 @@ print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, 
 while step < steps:
     step_start = time.perf_counter()
     # 1. rollouts: 2G per prompt, the work shared by all ranks' engines
-    sync_policy()
+    sync_rollout_model()
     batch = [prompt_at(cursor + offset) for offset in range(prompts_per_step)]
     cursor += prompts_per_step
     # each request with its row's tools, and the maker of its own environment when the row's task keeps state
@@ -364,12 +367,13 @@ while step < steps:
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
     grades = grader.results()
     t_grade = time.perf_counter() - step_start - t_rollout
-    trajs = gather_summaries(mine, grades)
+    summaries = gather_summaries(mine, grades)
     t_gather = time.perf_counter() - step_start - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G
-    groups = [trajs[group * n_sample:(group + 1) * n_sample] for group in range(prompts_per_step)]
-    rewards = torch.tensor([[traj.reward for traj in group] for group in groups])  # (B, 2G)
+    groups = [summaries[group * n_sample:(group + 1) * n_sample]
+              for group in range(prompts_per_step)]
+    rewards = torch.tensor([[summary.reward for summary in group] for group in groups])  # (B, 2G)
     keep_groups, n_all_right, n_all_wrong = grpo_roc.filter_groups(rewards)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
     # the kept samples (keep_per_prompt of each kept group, group after group), and per kept group on which
@@ -380,12 +384,13 @@ while step < steps:
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
         chosen = list(range(n_sample))
         if roc:
-            for traj in groups[group]:
+            for summary in groups[group]:
                 # an "overloaded" call (our sandbox's queue, not the policy) counts in neither side of p_err
-                traj.penalty = grpo_roc.penalty(len(traj.calls), agent.n_failed(traj.calls),
-                                                traj.n_answers, traj.turns,
-                                                num_overloaded=traj.calls.count("overloaded"))
-            penalties = torch.tensor([traj.penalty for traj in groups[group]])
+                statuses = summary.call_statuses
+                summary.penalty = grpo_roc.penalty(len(statuses), agent.n_failed(statuses),
+                                                   summary.n_answers, summary.turns,
+                                                   num_overloaded=statuses.count("overloaded"))
+            penalties = torch.tensor([summary.penalty for summary in groups[group]])
             chosen = grpo_roc.resample_on_correct(rewards[group], penalties, keep_per_prompt,
                                                   generator, mode=roc_mode).tolist()
         kept += [groups[group][index] for index in chosen]
@@ -403,12 +408,12 @@ while step < steps:
     if kept:
         # advantages: one number per kept trajectory; with RoC its sign follows the side RoC kept it on
         # (grpo_roc's docstring). The kept rewards first, one row per kept group: (kept groups, G)
-        kept_rewards = torch.tensor([traj.reward for traj in kept]).view(-1, keep_per_prompt)
+        kept_rewards = torch.tensor([summary.reward for summary in kept]).view(-1, keep_per_prompt)
         advantages = grpo_roc.advantages(
             kept_rewards, estimator, torch.stack(kept_positive) if roc else None).flatten().tolist()
-        for traj, advantage in zip(kept, advantages):
-            traj.advantage = advantage
-            traj.kept = True
+        for summary, advantage in zip(kept, advantages):
+            summary.advantage = advantage
+            summary.kept = True
 
         # 3. policy update: mini-batches of the kept trajectories, token-balanced micro-batches
         for param_group in optimizer.param_groups:  # linear warm-up, then constant
@@ -518,18 +523,19 @@ while step < steps:
     metrics = {
         "rollout/reward": rewards.mean().item(),
         # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
-        **rollout_metrics(trajs, tool_names),
+        **rollout_metrics(summaries, tool_names),
         # with more than one task in the run: reward, correct share and tool errors per task too (task/<name>/...)
-        **(task_metrics(trajs,
-                        lambda traj: grading.row_task(problems[traj.problem], task_module).__name__)
+        **(task_metrics(summaries,
+                        lambda summary: grading.row_task(problems[summary.problem],
+                                                         task_module).__name__)
            if len(task_names) > 1 else {}),
-        "rollout/tok_per_s": sum(traj.n_response for traj in trajs) / t_rollout,
+        "rollout/tok_per_s": sum(summary.n_response for summary in summaries) / t_rollout,
         "rollout/generated_here": len(mine),
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
         "rollout/preemptions": engine.stats["preemptions"],
         "rollout/recomputed_tokens": engine.stats["recomputed_tokens"],
         "roc/kept": len(kept),
-        "roc/reward_kept": sum(traj.reward for traj in kept) / max(1, len(kept)),
+        "roc/reward_kept": sum(summary.reward for summary in kept) / max(1, len(kept)),
         "roc/groups_all_right": n_all_right / prompts_per_step,
         "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
         "loss/entropy": float(sums["entropy"]),
@@ -568,7 +574,7 @@ while step < steps:
 
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):
-        dump_step(step, mine, trajs)
+        dump_step(step, mine, summaries)
     if step % save_every == 0 or step == steps:
         # the Hugging Face copy beside the shards: at the last step and every save_hf_every-th save
         with_hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
@@ -576,5 +582,5 @@ while step < steps:
                         {"step": step, "cursor": cursor, "data_path": data_path},
                         hf_dtype=ptdtype if with_hf else None, keep=keep_checkpoints)
 
-tools.close()
+sandbox.close()
 compute_cleanup()

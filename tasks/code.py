@@ -49,7 +49,7 @@ def prompt(row):
     return agent.prompt_text(row["question"], tools=TOOLS, user_prefix=USER_PREFIX)
 
 
-def answer(turns):
+def predict(turns):
     """The code of the final <answer> block, without its ```python fence; None if there is none."""
     block = agent.answer_block(turns)
     if block is None:

@@ -63,7 +63,7 @@ def prompt(row):
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
-def answer(turns):
+def predict(turns):
     return agent.extract_answer(turns)
 
 

@@ -8,7 +8,7 @@ A task is one file like this one, named by the `task` key of train_rl.py and eva
     COLUMNS        the JSONL columns every row must have (a missing one stops the run, naming file and line)
     TOOLS          its tool table, name -> agent.Tool (schema + run); {} offers no tool
     prompt(row)    the whole prompt text of a data row (agent.prompt_text renders the protocol's)
-    answer(turns)  the prediction read from the sampled turns (maj@k votes on it unless vote(); None: none)
+    predict(turns) the prediction read from the sampled turns (maj@k votes on it unless vote(); None: none)
     grade(row, pred, turns, grader, trajectory) -> (reward in [0, 1], correct): reward is what training uses,
                    correct what avg@k / pass@k / maj@k and the metrics count. It runs on grading.Grader's threads,
                    under its bounds; the grader offers what a grade may need: grader.run_in_helper (a function
@@ -72,7 +72,7 @@ def prompt(row):
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
-def answer(turns):
+def predict(turns):
     return agent.extract_answer(turns)
 
 

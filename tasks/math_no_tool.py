@@ -5,7 +5,7 @@ tool-using and the plain score side by side. A <tool_call> the model writes anyw
 release's error for an unknown tool, and counts as a failed call.
 """
 import agent
-from tasks.math import COLUMNS, answer, grade  # noqa: F401  (the same rows, answers and reward)
+from tasks.math import COLUMNS, grade, predict  # noqa: F401  (the same rows, answers and reward)
 
 TOOLS = {}
 

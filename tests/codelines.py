@@ -50,17 +50,17 @@ READING_PATH = (
     "rollout.py:Engine.end_turn", "agent.py:parse_tool_calls", "agent.py:start_call", "agent.py:run_python",
     "rollout.py:Engine.resume", "agent.py:tool_response_text", "agent.py:tool_suffix_ids",
     # the reward (the grader's contract), then what every rank learns of every trajectory
-    "grading.py:Grader.grade", "tasks/math.py:answer", "tasks/math.py:grade", "scheduler.py:gather_summaries",
+    "grading.py:Grader.grade", "tasks/math.py:predict", "tasks/math.py:grade", "scheduler.py:gather_summaries",
     # GRPO-RoC: which rollouts are kept, and their advantages
     "grpo_roc.py:filter_groups", "grpo_roc.py:penalty", "grpo_roc.py:resample_on_correct",
     "grpo_roc.py:advantages",
     # micro-batches, the loss and its gradient, the new weights handed to the engine
     "train_rl.py:plan", "scheduler.py:exchange", "train_rl.py:micro_batch", "model.py:collate",
     "grpo_roc.py:loss_weights", "model.py:token_logprobs", "model.py:Qwen.forward", "model.py:chunk_logprobs",
-    "grpo_roc.py:policy_loss", "train_rl.py:sync_policy",
+    "grpo_roc.py:policy_loss", "train_rl.py:sync_rollout_model",
 )
 
-# files read as one stop: the task file through grading's contract (Grader.grade calls its answer and grade),
+# files read as one stop: the task file through grading's contract (Grader.grade calls its predict and grade),
 # the sandbox's two halves as one sandbox (one budget, one contract: agent.TOOL_STATUSES)
 ONE_STOP = {"tasks/math.py": "grading.py", "sandbox_worker.py": "sandbox.py"}
 

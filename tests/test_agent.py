@@ -263,7 +263,7 @@ def test_surplus_calls_get_no_record():
               + tok.encode("</reason>\n<answer>\\boxed{64}</answer>", add_special_tokens=False) + [end])
     tools = SlowTools({})
     engine = Engine(Script({tuple(prompt): script}, len(tok)), tok, kv_capacity=400, max_len=400, temperature=0.0,
-                    tools=tools, max_calls_per_turn=1)
+                    sandbox=tools, max_calls_per_turn=1)
     (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 300)
     assert tools.calls == ["print(64)"]
     assert [c["arguments"]["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0]["status"] == "ok"

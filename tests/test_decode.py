@@ -19,7 +19,7 @@ def rollouts(path, tok, mode, temperature):
     reqs = [Request(prompts[i // 2], key=(1, i // 2, i % 2)) for i in range(12)]
     tools = SlowTools({"print(%d)" % v: 0.0 for v in range(20)})
     engine = Engine(ForcedTurns(model, tok), tok, kv_capacity=640, max_len=320, temperature=temperature, seed=5,
-                    tools=tools, reserve=0.0, max_rows=12, page_size=4, deterministic=True)
+                    sandbox=tools, reserve=0.0, max_rows=12, page_size=4, deterministic=True)
     trajs = {t.key: t for t in engine.run(iter_claim(reqs), 280)}
     assert len(trajs) == 12 and engine.stats["preemptions"] > 0
     return {k: (t.response_ids, t.mask, t.finish, t.turns) for k, t in trajs.items()}, engine

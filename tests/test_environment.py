@@ -106,7 +106,7 @@ def walk(tiny, kv_capacity, reserve):
     reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, tools=TOOLS,
                     environment=functools.partial(Counting, ROW)) for s in SCRIPTS]
     engine = Scripted(model, tok, kv_capacity=kv_capacity, max_len=len(prompt) + 340, temperature=1.0,
-                      tools=NO_SANDBOX, reserve=reserve, max_rows=len(reqs), page_size=4, call_timeout=0.5)
+                      sandbox=NO_SANDBOX, reserve=reserve, max_rows=len(reqs), page_size=4, call_timeout=0.5)
     trajs = {t.key[2]: t for t in engine.run(iter_claim(reqs), 340)}
     return engine, trajs, len(prompt)
 
@@ -165,7 +165,7 @@ def test_environments_close_when_the_step_raises(tiny):
         return type(model).forward_cached(model, *args, **kw)
     model.forward_cached = failing
     try:
-        engine = Scripted(model, tok, kv_capacity=4 * 2000, max_len=len(prompt) + 340, tools=NO_SANDBOX, call_timeout=0.5)
+        engine = Scripted(model, tok, kv_capacity=4 * 2000, max_len=len(prompt) + 340, sandbox=NO_SANDBOX, call_timeout=0.5)
         reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, tools=TOOLS,
                         environment=functools.partial(Counting, ROW)) for s in SCRIPTS]
         with pytest.raises(RuntimeError, match="fell over"):
@@ -186,7 +186,7 @@ def test_one_eval_mixes_tasks_and_reports_each(tiny):
     assert grading.row_task(problems[0], MATH) is GRID and grading.row_task(problems[1], MATH) is MATH
     assert '"name": "move"' in tok.decode(prompt_ids[0]) and agent.TOOL_NAME in tok.decode(prompt_ids[1])
     math_turn = "I know it.</reason>\n<answer>\\boxed{%d}</answer><|im_end|>"
-    engine = Scripted(model, tok, kv_capacity=8000, max_len=max(map(len, prompt_ids)) + 340, tools=NO_SANDBOX,
+    engine = Scripted(model, tok, kv_capacity=8000, max_len=max(map(len, prompt_ids)) + 340, sandbox=NO_SANDBOX,
                       call_timeout=0.5)
     engine.scripts = {(0, 0, 0): SCRIPTS[0], (0, 0, 1): SCRIPTS[1], (0, 1, 0): [math_turn % 42],
                       (0, 1, 1): [math_turn % 41]}
@@ -307,7 +307,7 @@ def referee_run(tiny, scripts, budget=300, max_turns=4, kv_capacity=4 * 2000, re
     prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
     reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, **grading.rollout_seam(GUESS_ROW, GUESS))
             for s in scripts]
-    engine = Scripted(model, tok, kv_capacity=kv_capacity, max_len=len(prompt) + budget, tools=NO_SANDBOX,
+    engine = Scripted(model, tok, kv_capacity=kv_capacity, max_len=len(prompt) + budget, sandbox=NO_SANDBOX,
                       max_turns=max_turns, call_timeout=0.5, reserve=reserve, max_rows=len(reqs), page_size=4)
     engine.scripts = {(0, 0, s): turns for s, turns in scripts.items()}
     return engine, {t.key[2]: t for t in engine.run(iter_claim(reqs), budget)}
@@ -366,7 +366,7 @@ def test_without_respond_a_turn_without_a_call_ends_the_episode(tiny):
             self.closed = True
     model, tok = tiny
     prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
-    engine = Scripted(model, tok, kv_capacity=4000, max_len=len(prompt) + 200, tools=NO_SANDBOX, call_timeout=0.5)
+    engine = Scripted(model, tok, kv_capacity=4000, max_len=len(prompt) + 200, sandbox=NO_SANDBOX, call_timeout=0.5)
     engine.scripts = {(0, 0, 0): [guess(8), guess(11)]}
     [traj] = engine.run(iter_claim([Request(prompt, key=(0, 0, 0), meta={"problem": 0}, tools={},
                                             environment=functools.partial(Silent, GUESS_ROW))]), 200)

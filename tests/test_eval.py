@@ -88,10 +88,10 @@ def test_evaluate_groups_maj_at_k_by_the_tasks_vote(monkeypatch):
         return {"one": 1, "uno": 1, "two": 2}[pred]
     task = types.SimpleNamespace(
         __name__="numbers", COLUMNS=("question",), TOOLS={}, prompt=lambda row: row["question"], vote=vote,
-        answer=lambda turns: turns[0], grade=lambda row, pred, turns, grader, trajectory: (pred == "two", pred == "two"))
+        predict=lambda turns: turns[0], grade=lambda row, pred, turns, grader, trajectory: (pred == "two", pred == "two"))
     monkeypatch.setattr(ev, "generate", fake_generate)
     tok = types.SimpleNamespace(decode=lambda ids: preds[ids[0]])
-    summary, per = ev.evaluate(types.SimpleNamespace(tools=None), tok, [{"question": "q"}], 3, 10, prompt_ids=[[1]],
+    summary, per = ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [{"question": "q"}], 3, 10, prompt_ids=[[1]],
                                task=task)
     assert sorted(seen, key=lambda call: call[2]) == [("q", preds[s], (0, 0, s)) for s in range(3)]
     # the task's vote: 1 (samples 1 and 2), wrong; a vote on the text would be a three-way tie won by sample 0

@@ -121,7 +121,7 @@ def test_grading_does_not_block_the_caller(tok, monkeypatch):
     def slow_grade(row, pred, turns, grader, trajectory):
         release.wait(30)
         return 1.0, True
-    g = grading.Grader(tok, task=types.SimpleNamespace(answer=MATH.answer, grade=slow_grade))
+    g = grading.Grader(tok, task=types.SimpleNamespace(predict=MATH.predict, grade=slow_grade))
     ts = [trajectory(tok, [("<answer>\\boxed{7}</answer>", 1)], key=(0, 0, i)) for i in range(3)]
     for t in ts:
         g(t)  # returns while the grade is still being computed

@@ -57,7 +57,7 @@ def test_fp32_engine_and_trainer_logprobs_agree(tiny, monkeypatch):
                 toks[i], lps[i] = turn[pos], torch.log_softmax(lg, -1)[turn[pos]].item()
         return toks, lps
     monkeypatch.setattr(Engine, "sample", forced)
-    engine = Engine(model, tok, kv_capacity=8 * 700, max_len=700, temperature=1.0, tools=EchoTools(), max_turns=5)
+    engine = Engine(model, tok, kv_capacity=8 * 700, max_len=700, temperature=1.0, sandbox=EchoTools(), max_turns=5)
     reqs = [Request(data.render_prompt(tok, q), key=(0, i, s)) for i, q in enumerate(QUESTIONS) for s in range(2)]
     trajs = engine.run(iter_claim(reqs), 200)
     assert all(t.turns >= 2 and len(t.tool_calls) == 2 for t in trajs)

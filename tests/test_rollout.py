@@ -129,7 +129,7 @@ def test_other_rows_decode_while_a_row_waits_for_its_tool(tiny):
     scripts = {tuple(p): scripted(tok, v, extra) for p, v, extra in zip(prompts, (11, 22, 33), (0, 30, 30))}
     tools = SlowTools({"print(11)": 0.5})  # row 0's tool is slow, the others answer at once
     engine = Engine(Script(scripts, len(tok)), tok, kv_capacity=3 * 400, max_len=400, temperature=0.0,
-                    tools=tools, log_events=True)
+                    sandbox=tools, log_events=True)
     trajs = sorted(engine.run(iter_claim([Request(p, key=(0, i, 0)) for i, p in enumerate(prompts)]), 300),
                    key=lambda t: t.key)
     ev = engine.events
@@ -159,7 +159,7 @@ def test_budget_counts_tool_tokens_and_max_turns(tiny):
     for budget, max_turns, want in ((len(script) + 80, 10, "stop"), (len(script) - 3, 10, "length"),
                                     (len(script) + 80, 1, "max_turns"), (turn1 + 3, 10, "length")):
         engine = Engine(Script({tuple(p): script}, len(tok)), tok, kv_capacity=2 * 400, max_len=400,
-                        temperature=0.0, tools=SlowTools({}), max_turns=max_turns)
+                        temperature=0.0, sandbox=SlowTools({}), max_turns=max_turns)
         (t,) = engine.run(iter_claim([Request(p)]), budget)
         assert t.finish == want and len(t.response_ids) <= budget
         assert t.response_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") or want == "length"
@@ -290,7 +290,7 @@ def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
     for name, kv, reserve in (("large", 12 * 320, 1.0), ("small", 320, 0.0)):
         forced = ForcedTurns(model, tok)
         tools = SlowTools({"print(%d)" % v: 0.02 * (v % 3) for v in range(20)}) if with_tools else None
-        engine = Engine(forced, tok, kv_capacity=kv, max_len=320, temperature=temperature, seed=5, tools=tools,
+        engine = Engine(forced, tok, kv_capacity=kv, max_len=320, temperature=temperature, seed=5, sandbox=tools,
                         reserve=reserve, max_rows=12, page_size=4)
         trajs = engine.run(iter_claim(reqs), 280)
         results[name] = {t.key: t for t in trajs}

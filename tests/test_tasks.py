@@ -88,8 +88,8 @@ def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
 
 
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
-    bad = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: (1.5, True))
-    raises = types.SimpleNamespace(answer=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: 1 / 0)
+    bad = types.SimpleNamespace(predict=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: (1.5, True))
+    raises = types.SimpleNamespace(predict=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: 1 / 0)
     for task in (bad, raises):
         g = grading.Grader(CHARS, task=task, rows=[ROW])
         g(trajectory("<answer>x</answer>"))
@@ -114,7 +114,7 @@ def test_calculator_tool_runs_by_name_in_the_engine_and_counts_in_p_err():
               + tok.encode("</reason>\n<answer>\\boxed{42}</answer>", add_special_tokens=False) + [end])
     tools = SlowTools({})
     engine = Engine(Script({tuple(prompt): script}, len(tok)), tok, kv_capacity=2000, max_len=2000, temperature=0.0,
-                    tools=tools, tool_table=CALC.TOOLS)
+                    sandbox=tools, tools=CALC.TOOLS)
     (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 1500)
     assert [(c["tool"], c["status"]) for c in t.tool_calls] == [
         ("calculate", "error"), ("calculate", "ok"), (agent.TOOL_NAME, "ok"), ("", "invalid"), ("calculate", "invalid")]
@@ -158,7 +158,7 @@ def test_traces_of_a_task_carry_the_real_tool_answers():
 
 def test_a_task_file_that_lacks_a_piece_is_named(tmp_path):
     (tmp_path / "half.py").write_text("COLUMNS = ('question',)\ndef prompt(row):\n    return row['question']\n")
-    with pytest.raises(ValueError, match="does not define TOOLS, answer, grade"):
+    with pytest.raises(ValueError, match="does not define TOOLS, predict, grade"):
         grading.load_task(str(tmp_path / "half.py"))
     with pytest.raises(FileNotFoundError, match="nowhere.py"):
         grading.load_task("tasks/nowhere.py")
