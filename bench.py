@@ -792,8 +792,8 @@ def synthetic_trajectories(rank, n, mean_tokens, seed=0):
             key=(0, (rank * n + i) // 32, (rank * n + i) % 32), prompt_ids=[rng.randrange(151936) for _ in range(p)],
             response_ids=[rng.randrange(151936) for _ in range(r)], mask=mask,
             logprobs=[-rng.random() if m else 0.0 for m in mask], tool_calls=calls, turns=len(calls) + 1,
-            finish="stop", meta={"answer": "42", "problem": i, "reward": float(rng.random() < 0.5), "correct": False,
-                                 "n_answers": 1, "pred": "42", "vote": "42"}))
+            finish="stop", meta={"answer": "42", "problem": i,
+                                 "grade": grading.Grade(float(rng.random() < 0.5), False, 1, "42", "42")}))
     return out
 
 
@@ -824,7 +824,7 @@ def scale_worker(rank, world, init, variant, n, mean_tokens, results):
         secs = time.perf_counter() - t0
         gathers = {"all_gather_object(trajectories)": (sum(len(pickle.dumps(p)) for p in everything), secs)}
     else:  # every rank gets the summaries; the tokens of half the trajectories move, to the rank that trains them
-        local = [scheduler.summarize(t, t.meta) for t in mine]  # (its own trajectories: scales with them, not with all)
+        local = [scheduler.summarize(t, t.meta["grade"]) for t in mine]  # (its own trajectories: scales with them, not with all)
         t_local = time.perf_counter() - t0
         t0 = time.perf_counter()
         summaries = sorted((s for part in scheduler.gather(local) for s in part), key=lambda s: s.key)
@@ -1073,7 +1073,7 @@ def grading_off_the_loop(tok, reps, prompts=8, samples=16):
     def off_loop():
         grader = grading.Grader(tok)
         engine.run(iter_claim(reqs()), 64, grader)
-        assert [r["reward"] for r in grader.results().values()] == [1.0] * len(qs) * samples
+        assert [r.reward for r in grader.results().values()] == [1.0] * len(qs) * samples
     (a, b), rounds = medians([inline, off_loop], reps)
     print(f"\n(g) {prompts * samples} rollouts whose answers need math-verify, {rounds} rounds: graded inline "
           f"{a:.2f} s, off the decode loop {b:.2f} s: x{a / b:.2f}")

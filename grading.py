@@ -40,8 +40,23 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from agent import count_answers, sampled_turns
+
+# -----------------------------------------------------------------------------
+# what a grade is
+
+@dataclass
+class Grade:
+    """One trajectory's grade (Grader.grade), what scheduler.Summary keeps of it. The defaults are the
+    grade of a trajectory that could not be graded (late, failed): 0, not correct, no answer."""
+    reward: float = 0.0  # in [0, 1]: what training uses
+    correct: bool = False  # the task's verdict: what avg@k, pass@k, maj@k and the metrics count
+    n_answers: int = 0  # <answer> blocks in the sampled turns (RoC's p_format)
+    pred: object = None  # the task's prediction (task.predict); None: no answer
+    vote: object = None  # what maj@k groups the sample by: the pred, or the task's vote()
+
 
 # -----------------------------------------------------------------------------
 # the bounds and helpers any task may use
@@ -50,8 +65,6 @@ from agent import count_answers, sampled_turns
 MAX_ANSWER_CHARS = 1000
 # so is one nested deeper in ( [ { (\left( included): math-verify's parser is exponential in it
 MAX_DEPTH = 10
-# a grade that could not be made
-_ZERO = {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
 
 
 def plain_int(text):
@@ -180,7 +193,7 @@ class Grader:
                 out = self.grade(*args)
             except Exception:
                 self._count("failed")
-                out = dict(_ZERO)
+                out = Grade()
             fut.set_result(out)
 
     def _count(self, key):
@@ -188,8 +201,7 @@ class Grader:
             self.counts[key] += 1
 
     def grade(self, trajectory, row):
-        """One trajectory's grade, in the calling thread: {reward, correct, n_answers, pred, vote}, by the
-        row's task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not
+        """One trajectory's Grade, in the calling thread, by the row's task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not
         correct, without grade(). vote is what maj@k groups it by: the pred, unless the task has
         vote(row, pred, trajectory) (tasks/code.py: the program, not its text)."""
         task = row_task(row, self.task)
@@ -203,8 +215,8 @@ class Grader:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
         n_answers = count_answers(turns)
         vote = getattr(task, "vote", None)
-        return {"reward": float(reward), "correct": bool(correct), "n_answers": n_answers,
-                "pred": pred, "vote": vote(row, pred, trajectory) if vote else pred}
+        return Grade(float(reward), bool(correct), n_answers, pred,
+                     vote(row, pred, trajectory) if vote else pred)
 
     def refuses(self, text):
         """True, counted as refused, when text is too big to hand to a parser: longer than MAX_ANSWER_CHARS
@@ -270,7 +282,7 @@ class Grader:
     def results(self):
         """
         Waits for the grades of the trajectories handed over since the last call, each within its bound
-        (the class docstring): {key: {"reward", "correct", "n_answers", "pred", "vote"}}. Then self.stats holds
+        (the class docstring): {key: Grade}. Then self.stats holds
         what happened since the last call:
             wait_s                 seconds this call waited (grading that the rollout did not hide)
             timed_out              grades scored 0 because verification passed timeout (the helper was
@@ -295,7 +307,7 @@ class Grader:
                     self._add_thread()
                     break
                 concurrent.futures.wait([fut], timeout=0.1)
-            out[key] = fut.result() if fut.done() else dict(_ZERO)
+            out[key] = fut.result() if fut.done() else Grade()
         self.pending = {}
         with self.lock:
             self.stats = {**self.counts, "wait_s": time.monotonic() - t0}

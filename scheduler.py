@@ -120,7 +120,7 @@ class Summary:
 
 
 def summarize(trajectory, grade):
-    """The Summary of a trajectory, graded `grade` (a dict from grading.Grader.grade)."""
+    """The Summary of a trajectory, graded `grade` (a grading.Grade)."""
     calls = trajectory.tool_calls
     return Summary(trajectory.key, trajectory.meta["problem"], trajectory.meta.get("answer"),
                    trajectory.turns, trajectory.finish,
@@ -128,8 +128,7 @@ def summarize(trajectory, grade):
                    [call.get("tool", "") for call in calls],
                    agent.call_faults(calls),
                    len(trajectory.prompt_ids), len(trajectory.response_ids), sum(trajectory.mask),
-                   grade["reward"], grade["correct"], grade["n_answers"], grade["pred"],
-                   grade["vote"])
+                   grade.reward, grade.correct, grade.n_answers, grade.pred, grade.vote)
 
 
 def rollout_metrics(summaries, tool_names=()):

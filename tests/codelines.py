@@ -37,9 +37,10 @@ LONG_LINE = 100  # characters: a code line longer than this counts as long
 READING_PATH = (
     # the loop that calls everything below, once per RL step
     "train_rl.py:while",
-    # the records that cross the functions: what a rollout is asked for and what it gives back, what every
-    # rank learns of it, a tool call and the sandbox's answer
-    "rollout.py:Request", "rollout.py:Trajectory", "scheduler.py:Summary", "scheduler.py:Tokens",
+    # the records that cross the functions: what a rollout is asked for and what it gives back, its grade,
+    # what every rank learns of it, a tool call and the sandbox's answer
+    "rollout.py:Request", "rollout.py:Trajectory", "grading.py:Grade", "scheduler.py:Summary",
+    "scheduler.py:Tokens",
     "agent.py:ToolCall", "sandbox.py:Result",
     # the prompt and its rollouts, spread over the ranks
     "train_rl.py:prompt_at", "tasks/math.py:prompt", "agent.py:prompt_text", "scheduler.py:generate",

@@ -147,8 +147,8 @@ def test_each_sample_walks_its_own_grid_through_preemption_and_a_hung_call(tiny)
     grades = grader.results()
     grader.close()
     for sample, (_, _, reward) in WANT.items():
-        assert grades[(0, 0, sample)]["reward"] == pytest.approx(reward)
-        assert grades[(0, 0, sample)]["correct"] == (reward > 0)
+        assert grades[(0, 0, sample)].reward == pytest.approx(reward)
+        assert grades[(0, 0, sample)].correct == (reward > 0)
 
 
 def test_environments_close_when_the_step_raises(tiny):
@@ -340,7 +340,7 @@ def test_a_referee_answers_turns_without_calls_and_ends_the_episode(tiny):
         grader(traj)
     grades = grader.results()
     grader.close()
-    assert [grades[(0, 0, s)]["reward"] for s in (0, 1, 2)] == [1.0, 1.0, 0.0]
+    assert [grades[(0, 0, s)].reward for s in (0, 1, 2)] == [1.0, 1.0, 0.0]
     assert GUESS.grade(GUESS_ROW, "11", [], None, types.SimpleNamespace(environment=types.SimpleNamespace(
         secret=11, high=16, guesses=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]))) == (5 / 11, True)
 

@@ -13,6 +13,7 @@ import pytest
 
 import agent
 import eval as ev
+import grading
 from rollout import Trajectory
 from scheduler import summarize
 from tasks import math as math_task
@@ -57,7 +58,6 @@ def test_majority_vote_ties_normalisation_and_none():
 
 def test_the_code_task_votes_on_the_program_not_its_text():
     # one program written with other names, spacing, comments and a docstring: one vote; another program: its own
-    import grading
     code = grading.load_task("tasks/code.py")
     row = {"entry": "f"}
     same = ["def f(x):\n    y = x * 3\n    return y - 1",
@@ -107,8 +107,8 @@ def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns
                    mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
                    turns=turns, finish=finish, meta={"answer": gold, "problem": problem})
     reward = math_task.reward(text, gold)
-    grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
-             "pred": agent.extract_answer(text), "vote": agent.extract_answer(text)}
+    pred = agent.extract_answer(text)
+    grade = grading.Grade(reward, reward == 1.0, int(answer is not None), pred, pred)
     return summarize(t, grade)  # what eval keeps of a trajectory
 
 

@@ -83,36 +83,36 @@ def test_tool_output_cannot_supply_the_answer(tok):
               "<|im_end|>\n<|im_start|>assistant\n<reason>"
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("so it is done</reason><|im_end|>", 1)])
     assert MATH.reward(tok.decode(t.response_ids), "7") == 1.0  # the whole decoded text would pay out
-    assert grade(tok, t) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
+    assert grade(tok, t) == grading.Grade(0.0, False, 0, None, None)
     # an answer block cannot be stitched together across a tool response either
     t = trajectory(tok, [("<answer>\\boxed{7}", 1), (printed.replace("<answer>\\boxed{7}", ""), 0), ("</reason>", 1)])
-    assert grade(tok, t)["n_answers"] == 0
+    assert grade(tok, t).n_answers == 0
     t = trajectory(tok, [("compute</reason>", 1), (printed, 0), ("<answer>\\boxed{7}</answer><|im_end|>", 1)])
-    assert grade(tok, t) == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7", "vote": "7"}
+    assert grade(tok, t) == grading.Grade(1.0, True, 1, "7", "7")
 
 
 def test_the_answer_is_the_final_turns_outside_its_tool_calls(tok):
     # answered in a turn before a tool call, nothing in the final turn: not an answer (p_format still counts it)
     early = trajectory(tok, [("so <answer>\\boxed{7}</answer>, let me check" + call("print(7)") + "<|im_end|>", 1),
                              (RESPONSE, 0), ("checked</reason><|im_end|>", 1)])
-    assert grade(tok, early) == {"reward": 0.0, "correct": False, "n_answers": 1, "pred": None, "vote": None}
+    assert grade(tok, early) == grading.Grade(0.0, False, 1, None, None)
     # inside the code of the final turn's tool call (a comment), closed (cut by max_turns) or not
     for text in [call("# <answer>\\\\boxed{7}</answer>") + "<|im_end|>", call("print(1)  # <answer>\\\\boxed{7}</answer>")[:-12]]:
         for finish in ("max_turns", "stop"):
-            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}
+            assert grade(tok, trajectory(tok, [(text, 1)], finish=finish)) == grading.Grade(0.0, False, 0, None, None)
     # the final turn's own answer, beside a call and after a turn that answered otherwise
     late = trajectory(tok, [("<answer>\\boxed{8}</answer>" + call("print(7)") + "<|im_end|>", 1), (RESPONSE, 0),
                             ("7 it is</reason>" + call("print(7)") + "\n<answer>\\boxed{7}</answer><|im_end|>", 1)],
                       finish="max_turns")
-    assert grade(tok, late) == {"reward": 1.0, "correct": True, "n_answers": 2, "pred": "7", "vote": "7"}
+    assert grade(tok, late) == grading.Grade(1.0, True, 2, "7", "7")
 
 
 def test_truncated_rollouts_score_zero_unless_asked(tok):
     t = trajectory(tok, [("done</reason>\n<answer>\\boxed{7}</answer> and more", 1)], finish="length")
-    assert grade(tok, t)["reward"] == 0.0
-    assert grade(tok, t, score_truncated=True)["reward"] == 1.0
+    assert grade(tok, t).reward == 0.0
+    assert grade(tok, t, score_truncated=True).reward == 1.0
     t.finish = "max_turns"  # not cut by the budget: graded
-    assert grade(tok, t)["reward"] == 1.0
+    assert grade(tok, t).reward == 1.0
 
 
 def test_grading_does_not_block_the_caller(tok, monkeypatch):
@@ -128,7 +128,7 @@ def test_grading_does_not_block_the_caller(tok, monkeypatch):
     assert not release.is_set()
     time.sleep(0.3)
     release.set()
-    assert [r["reward"] for r in g.results().values()] == [1.0, 1.0, 1.0]
+    assert [r.reward for r in g.results().values()] == [1.0, 1.0, 1.0]
     assert g.stats["wait_s"] > 0 and g.stats["timed_out"] == 0  # the wait is measured
     g.close()
 
@@ -153,7 +153,7 @@ def test_a_hung_grade_is_bounded(tok, monkeypatch):
     res = g.results()
     waited = time.time() - t0
     release.set()
-    assert res == {hung.key: {"reward": 0.0, "correct": False, "n_answers": 0, "pred": None, "vote": None}, ok.key: {"reward": 1.0, "correct": True, "n_answers": 1, "pred": "7", "vote": "7"}}
+    assert res == {hung.key: grading.Grade(0.0, False, 0, None, None), ok.key: grading.Grade(1.0, True, 1, "7", "7")}
     assert waited < 15, waited  # ~2 s here; before: until the hang ended (60 s)
     assert g.stats["timed_out"] == 1 and g.stats["wait_s"] >= 1.5
     g.close()
@@ -173,14 +173,14 @@ def test_a_helper_that_never_starts_fails_fast(tok, monkeypatch):
     t0 = time.time()
     res = g.results()
     assert time.time() - t0 < 4.0  # before: 120 s, then it raised
-    assert [r["reward"] for r in res.values()] == [0.0] * 5
+    assert [r.reward for r in res.values()] == [0.0] * 5
     assert (g.stats["helper_starts"], g.stats["helper_start_failures"], g.stats["failed"]) == (1, 1, 5)
     assert helper_pids(os.getpid()) == []  # the one that hung was killed
     monkeypatch.setattr(grading.subprocess, "Popen", real)
     # the pause is over; the real helper imports sympy, which takes more than 1 s on a loaded 2-core box
     g.down_until, g.start_timeout = 0.0, 60.0
     g(ts[0])
-    assert g.results()[ts[0].key]["reward"] == 1.0 and g.stats["helper_starts"] == 1
+    assert g.results()[ts[0].key].reward == 1.0 and g.stats["helper_starts"] == 1
     g.close()
 
 
@@ -217,7 +217,7 @@ def traj(text, gold, key):
     return types.SimpleNamespace(key=key, response_ids=ids, mask=[1] * len(ids), finish="stop", meta={{"answer": gold}})
 g = grading.Grader(tok, timeout=600, helpers=1)
 g(traj({HALF!r}, "0.5", 0))
-assert g.results()[0]["reward"] == 1.0
+assert g.results()[0].reward == 1.0
 g(traj({BOMB!r}, "1", 1))
 time.sleep(1)
 print("busy", flush=True)
@@ -249,7 +249,7 @@ def test_grades_run_on_several_helpers(tok):
         time.sleep(0.05)
     res = g.results()
     assert most == 2  # before: one helper, one grade at a time
-    assert [r["reward"] for r in res.values()] == [0.0, 0.0]
+    assert [r.reward for r in res.values()] == [0.0, 0.0]
     assert (g.stats["timed_out"], g.stats["helper_starts"]) == (2, 2)
     g.close()
     assert set(helper_pids(os.getpid())) - before == set()  # close() kills them

@@ -18,6 +18,7 @@ import pytest
 
 import agent
 import data
+import grading
 import eval as ev
 from common import read_jsonl
 from rollout import Trajectory
@@ -180,8 +181,8 @@ def graded(problem, sample, gold, answer):
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1], response_ids=[5] * 4, mask=[1] * 4, tool_calls=[],
                    turns=1, finish="stop", meta={"answer": gold, "problem": problem})
     reward = math_task.reward(text, gold)
-    grade = {"reward": reward, "correct": reward == 1.0, "n_answers": int(answer is not None),
-             "pred": agent.extract_answer(text), "vote": agent.extract_answer(text)}
+    pred = agent.extract_answer(text)
+    grade = grading.Grade(reward, reward == 1.0, int(answer is not None), pred, pred)
     return summarize(t, grade)
 
 

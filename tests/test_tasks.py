@@ -55,12 +55,11 @@ def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
     half = solution("def f(x):\n    return x * 3 - 1 if x > 0 else 0")  # passes 2 of 4
     (code_right, code_half), _ = grades(CODE, [right, half], pool)
     program = "def f(x):\n    return x * 3 - 1"
-    assert code_right == {"reward": 1.0, "correct": True, "n_answers": 1, "pred": program,
-                          "vote": CODE.vote(ROW, program, None)}
-    assert (code_half["reward"], code_half["correct"]) == (0.5, False)  # partial credit, not correct
+    assert code_right == grading.Grade(1.0, True, 1, program, CODE.vote(ROW, program, None))
+    assert (code_half.reward, code_half.correct) == (0.5, False)  # partial credit, not correct
     # the same trajectories under the math task: its reward reads \boxed{5} and knows nothing of tests
     (math_right, math_half), _ = grades(MATH, [right, half], pool)
-    assert math_right["reward"] == math_half["reward"] == 1.0
+    assert math_right.reward == math_half.reward == 1.0
     assert CODE.prompt(ROW).count(ROW["question"]) == 1 and "tests" not in CODE.prompt(ROW)  # hidden
 
 
@@ -83,7 +82,7 @@ def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
     # apart from the solution's namespace and its expected value never enters the sandbox; a constant guess
     # gets what a constant function would (here: none of the 4 tests expects 0; '5' matches one of them)
     (g,), stats = grades(CODE, [solution(code)], pool)
-    assert g["reward"] <= 0.25 and not g["correct"], (name, g)
+    assert g.reward <= 0.25 and not g.correct, (name, g)
     assert stats["timed_out"] == stats["failed"] == 0  # even the hanging one is answered within the bounds
 
 
@@ -93,7 +92,7 @@ def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
     for task in (bad, raises):
         g = grading.Grader(CHARS, task=task, rows=[ROW])
         g(trajectory("<answer>x</answer>"))
-        assert g.results()[0]["reward"] == 0.0 and g.stats["failed"] == 1
+        assert g.results()[0].reward == 0.0 and g.stats["failed"] == 1
         g.close()
 
 # ----------------------------------------------------------------------------- the second tool
