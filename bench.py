@@ -8,6 +8,7 @@ they print tables with both sides and the ratio; nothing asserts a speed.
     python bench.py sandbox    # the tool sandbox pool vs a fresh python3 per call (~3 minutes)
     python bench.py scale      # what crosses ranks after a rollout phase, before / after, at 64-GPU scale
     python bench.py mem        # one 14B rank's training transients (a layer's recompute, the output layer)
+    python bench.py eval       # eval.py's engine, reserve 0.5 vs "auto", on the demo's held-out set (~1 minute)
     python bench.py gpu        # the prepared check for a GPU (below); --cpu dry-runs it at toy sizes
     python bench.py --threads=2 --reps=5
 
@@ -845,6 +846,44 @@ def scale_worker(rank, world, init, variant, n, mean_tokens, results):
     dist.destroy_process_group()
 
 
+def eval_reserve_bench(model_path, data_path="out/data/heldout.jsonl", rounds=2):
+    """eval.py's engine with the fixed reserve 0.5 and with "auto" (what eval.py runs), interleaved on one model,
+    the demo's held-out set, 4 samples at T = 1.0, the demo's eval settings (configs/tiny_eval.py), both with
+    deterministic=True (what the demo's evals run) and without: seconds per evaluation, avg@4, and whether the
+    two reserves gave the same trajectories, token for token."""
+    import numpy as np
+    import eval as ev
+    from common import read_jsonl
+    from rollout import Engine, kv_rows
+    task = grading.load_task("tasks/math.py")
+    problems = read_jsonl(data_path)
+    tok = transformers.AutoTokenizer.from_pretrained(model_path)
+    prompt_ids = [np.asarray(tok.encode(task.prompt(p), add_special_tokens=False), np.int32) for p in problems]
+    model = modeling.load_model(model_path)
+    max_len = 128 + 192
+    rows = kv_rows(model, max_len, 0, limit=len(problems) * 4)
+    print(f"eval's engine on {model_path}: {len(problems)} problems x 4 samples, {rows} rows of KV, "
+          f"load average {load():.2f}")
+    with SandboxPool(workers=2, timeout=4.0) as sandbox:
+        for deterministic in (True, False):
+            seen = {}
+            for _ in range(rounds):
+                for reserve in (0.5, "auto"):
+                    engine = Engine(model, tok, kv_capacity=rows * max_len, max_len=max_len, temperature=1.0,
+                                    sandbox=sandbox, max_turns=4, tools=task.TOOLS, reserve=reserve,
+                                    deterministic=deterministic)
+                    tokens = []
+                    start = time.perf_counter()
+                    summary, _ = ev.evaluate(engine, tok, problems, 4, 192, "dynamic", prompt_ids=prompt_ids,
+                                             task=task, on_graded=lambda t, s: tokens.append((t.key, t.response_ids)))
+                    wall = time.perf_counter() - start
+                    seen[reserve] = sorted(tokens)
+                    print(f"  deterministic={deterministic} reserve={reserve}: {wall:.1f} s, "
+                          f"avg@4 {100 * summary['avg@k']:.2f}%, decode steps {engine.stats['decode_steps']}")
+            print(f"  deterministic={deterministic}: the same trajectories with 0.5 and auto: "
+                  f"{seen[0.5] == seen['auto']}")
+
+
 def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
     """(scale) One stage-1 step's post-rollout data movement on `world` gloo ranks, before (all_gather_object of
     every Trajectory, Python lists) and after (scheduler.gather_summaries + scheduler.exchange of compact
@@ -1461,6 +1500,9 @@ if __name__ == "__main__":
         sys.exit(mem_bench() and 0)
     if args.sections == ["scale"]:
         sys.exit(scale_bench(per_rank=args.per_rank))
+    if args.sections == ["eval"]:
+        torch.set_num_threads(args.threads)
+        sys.exit(eval_reserve_bench(args.model_path))
     unknown = set(args.sections) - set("albkcpug")
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}: choose from a l b k c p u g")

@@ -375,7 +375,9 @@ if __name__ == "__main__":
                         temperature=temperature, top_p=top_p, seed=seed,
                         sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                         tool_max_chars=tool_max_chars, deterministic=deterministic,
-                        tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+                        tools=task_module.TOOLS, call_timeout=tool_call_timeout or None,
+                        # the promise per row follows what the finished rows used (docs/speed.md)
+                        reserve="auto")
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens,
                                         rollout_split, score_truncated=score_truncated,
                                         prompt_ids=prompt_ids,
