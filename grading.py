@@ -6,7 +6,7 @@ A Grader is the engine's on_finish callback. It grades each finished trajectory 
 threads, so the decode loop never waits for a reward (the paper's §3.1 verifies asynchronously too), with the
 task's own functions (tasks/math.py is the default; a task is one file, see the README's "Fork it"):
 
-    pred = task.predict(turns)                                        # the prediction (None: no answer)
+    pred = task.predict(turns)                                       # the prediction (None: no answer)
     reward, correct = task.grade(row, pred, turns, grader, trajectory)   # reward in [0, 1]; correct for metrics
     vote = task.vote(row, pred, trajectory)     # if the task has vote(): what maj@k groups by (else the pred)
 
@@ -201,9 +201,10 @@ class Grader:
             self.counts[key] += 1
 
     def grade(self, trajectory, row):
-        """One trajectory's Grade, in the calling thread, by the row's task. Read from the sampled turns only; a trajectory cut by the budget gets reward 0, not
-        correct, without grade(). vote is what maj@k groups it by: the pred, unless the task has
-        vote(row, pred, trajectory) (tasks/code.py: the program, not its text)."""
+        """One trajectory's Grade, in the calling thread, by the row's task. Read from the sampled turns
+        only; a trajectory cut by the budget gets reward 0, not correct, without grade(). Its vote is
+        what maj@k groups it by: the pred, unless the task has vote(row, pred, trajectory) (tasks/code.py:
+        the program, not its text)."""
         task = row_task(row, self.task)
         turns = sampled_turns(self.tok, trajectory.response_ids, trajectory.mask)
         pred = task.predict(turns)
@@ -282,8 +283,7 @@ class Grader:
     def results(self):
         """
         Waits for the grades of the trajectories handed over since the last call, each within its bound
-        (the class docstring): {key: Grade}. Then self.stats holds
-        what happened since the last call:
+        (the class docstring): {key: Grade}. Then self.stats holds what happened since the last call:
             wait_s                 seconds this call waited (grading that the rollout did not hide)
             timed_out              grades scored 0 because verification passed timeout (the helper was
                                    killed and replaced) or the grade passed its bound here (its thread

@@ -409,8 +409,8 @@ class Engine:
                 # 2. parked rows whose tool answers have all arrived, or whose calls ran out of time, get them
                 # appended
                 todo = []
-                # the rows parked on their tool calls, and their calls still out (step 5 waits on those
-                # too when no row decodes)
+                # the rows parked on their tool calls (or an environment's reply), and their calls still
+                # out (step 5 waits on those too when no row decodes)
                 parked = [row for row in rows.values() if row.state == PARKED]
                 futures = [future for row in parked for _, future in row.calls if future is not None]
                 if self.deterministic:
