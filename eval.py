@@ -146,10 +146,12 @@ def metrics(groups):
         "maj@k": statistics.fmean(row["maj_correct"] for row in per_problem),
         # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
         **rollout_metrics(summaries),
-        "rollout/response_len_median": statistics.median(summary.n_response for summary in summaries),
+        "rollout/response_len_median": statistics.median(summary.n_response
+                                                         for summary in summaries),
         "rollout/sampled_len": statistics.fmean(summary.n_sampled for summary in summaries),
         "rollout/sampled_len_median": statistics.median(summary.n_sampled for summary in summaries),
-        "rollout/max_turns_frac": sum(summary.finish == "max_turns" for summary in summaries) / len(summaries),
+        "rollout/max_turns_frac": sum(summary.finish == "max_turns"
+                                      for summary in summaries) / len(summaries),
         "rollout/no_answer_frac": sum(not summary.pred for summary in summaries) / len(summaries),
     }
     return summary, per_problem
@@ -362,7 +364,8 @@ if __name__ == "__main__":
 
     # train_rl.py's dump record, written by the rank that made the trajectory
     def write(trajectory, summary):
-        dump.write(dump_line(trajectory, summary, tokenizer, problems[summary.problem].get("question"),
+        dump.write(dump_line(trajectory, summary, tokenizer,
+                             problems[summary.problem].get("question"),
                              tokenizer.decode(trajectory.prompt_ids)))
 
     # the peak reported below is the evaluation's own: the load's (torch, the weights) is forgotten here

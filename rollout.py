@@ -412,7 +412,8 @@ class Engine:
                 # the rows parked on their tool calls (or an environment's reply), and their calls still
                 # out (step 5 waits on those too when no row decodes)
                 parked = [row for row in rows.values() if row.state == PARKED]
-                futures = [future for row in parked for _, future in row.calls if future is not None]
+                futures = [future for row in parked
+                           for _, future in row.calls if future is not None]
                 if self.deterministic:
                     # every answer first (or every deadline passed), so which rows share the next forward does not
                     # depend on timing

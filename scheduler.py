@@ -153,7 +153,8 @@ def rollout_metrics(summaries, tool_names=()):
     }
     for name in tool_names:
         statuses = [status for summary in summaries
-                    for status, tool in zip(summary.call_statuses, summary.call_tools) if tool == name]
+                    for status, tool in zip(summary.call_statuses, summary.call_tools)
+                    if tool == name]
         metrics[f"tool/calls/{name}"] = len(statuses) / count
         metrics[f"tool/err/{name}"] = error_share(statuses)
     return metrics
