@@ -85,6 +85,10 @@ END = "<|im_end|>"  # the policy samples this itself at the end of every turn
 
 # The status of a tool call: the contract every tool meets (its Result's status), plus "invalid" for a call
 # that never ran. p_err (grpo_roc.penalty) and every tool-error metric count the failures, TOOL_ERRORS.
+# Who answers which: the tool itself (the sandbox: sandbox_worker._call for ok / error / timeout / memory /
+# crash, sandbox.SandboxPool._serve for a worker that died (crash) and _overloaded for a long queue);
+# start_call below for invalid; rollout.Engine.resume for timeout when a call is still unanswered at the
+# engine's call_timeout (any tool).
 TOOL_STATUSES = {
     "ok": "it ran to the end (stdout, and the repr of a trailing expression as `value`)",
     "error": "it ran and failed: an exception or a non-zero exit (stderr says what)",

@@ -567,7 +567,7 @@ class KVCache:
     gathers a head's pages into contiguous keys, whole pages at a time (`gather`). Row r's pages, in order, are
     table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at slot t % page_size.
     A row takes pages as it grows (`grow`) and returns them when it is done (`release`); who gets memory
-    when the pool runs short is the caller's decision (rollout.Engine preempts). Pages are counted by
+    when the pool runs short is the caller's decision (rollout.Pager picks and preempts rows). Pages are counted by
     reference: the samples of one prompt hold the prompt's full pages together (`share`), and a row only
     ever writes past its length, into pages it holds alone. Zero-filled, so never-written slots are
     finite (masked keys still multiply their values by 0).

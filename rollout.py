@@ -31,7 +31,8 @@ this over-commits with preemption as vLLM / SGLang do, which §3.2 sets out to a
   0) and the row decodes on, parked like a row with tool calls; None from it ends the row.
 - one response budget per trajectory counts model and tool tokens (and environment replies) together (the
   released code's rule; the paper does not say); finish
-  reasons: `stop` (a turn without tool calls, or the environment's end), `length` (budget), `max_turns`.
+  reasons: `stop` (a turn without tool calls, or the environment's end), `length` (budget), `max_turns`
+  (a turn with tool calls, or answered by the environment, at the turn limit: a call-free turn there is `stop`).
 - every row samples with its own torch.Generator seeded from (seed, step, prompt index, sample
   index), so a rollout does not depend on which other rows share its batch, or on preemption.
 
@@ -73,7 +74,8 @@ class Trajectory:
     mask: list = field(default_factory=list)  # 1 on sampled tokens, 0 on tool responses and glue
     # sampling-time log-prob of each token (0 where mask 0)
     logprobs: list = field(default_factory=list)
-    tool_calls: list = field(default_factory=list)  # dicts: code, stdin, status, output, duration
+    # the call records (agent.start_call): tool, arguments, status, output, duration
+    tool_calls: list = field(default_factory=list)
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
     meta: dict = field(default_factory=dict)

@@ -135,7 +135,10 @@ def rollout_metrics(summaries, tool_names=()):
     """What train_rl.py logs each step and eval.py reports of the rollouts, one name each: rollout/ (length, how
     they ended, turns) and tool/ (calls per trajectory; the share that failed, in all and in correct trajectories;
     the tool-format health: the share of calls that did not parse, named no tool of the table, or repeated the call
-    before; per tool in tool_names, its calls per trajectory and their failed share)."""
+    before; per tool in tool_names, its calls per trajectory and their failed share). Over every summary given
+    (in training: all 2G rollouts of the step, before RoC keeps G). tool/err counts a call answered
+    "overloaded" (our infrastructure) in its denominator, as a call that did not fail; p_err
+    (grpo_roc.penalty) counts it in neither side."""
     count = len(summaries)
     calls = [status for summary in summaries for status in summary.call_statuses]
     faults = [fault for summary in summaries for fault in summary.call_faults]

@@ -1,7 +1,8 @@
 """
 The rStar2-Agent math task, the default (`task = "tasks/math.py"`): the released prompt with its one Python
 tool, and the 0/1 math-verify reward of the paper. Token for token what the release's model sees. The reward's
-whole rule is here, in reward(); grading.py runs it under its bounds.
+whole rule is here, in reward(); grading.py runs it under its bounds (and scores a trajectory cut by the
+budget 0 before any task sees it, unless score_truncated: grading.Grader.grade).
 
 A task is one file like this one, named by the `task` key of train_rl.py and eval.py. It defines:
 
