@@ -107,6 +107,12 @@ def n_failed(statuses):
     return sum(status in TOOL_ERRORS for status in statuses)
 
 
+def failed_share(statuses):
+    """The share of these calls that failed (TOOL_ERRORS): what tool/err reports. A call answered
+    "overloaded" (our infrastructure, not the policy) counts on neither side, as in p_err."""
+    return n_failed(statuses) / max(1, len(statuses) - statuses.count("overloaded"))
+
+
 @dataclass
 class Tool:
     """One tool: `schema`, the OpenAI-format function schema the prompt lists (its function.name is the name

@@ -153,11 +153,6 @@ def barrier():
         dist.barrier()
 
 
-def full_value(tensor):
-    """A DTensor's whole value (a collective: every rank must call it), or a plain tensor as it is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 # -----------------------------------------------------------------------------
 # token-balanced packing, shared by SFT and RL
 

@@ -759,6 +759,11 @@ def load_weights(model, path, device=None):
         raise KeyError(f"{path}: no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
+def full_value(tensor):
+    """A DTensor's whole value (a collective: every rank must call it), or a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 @torch.no_grad()
 def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     """write config.json + safetensors (sharded with an index above max_shard_bytes) under HF names.
@@ -793,8 +798,8 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     for names, file in zip(shards, files):
         tensors = {}
         for name in names:
-            t = params[name].detach()
-            t = t.full_tensor() if isinstance(t, DTensor) else t  # collective: all ranks take part
+            # a collective: all ranks take part
+            t = full_value(params[name].detach())
             if rank0:
                 tensors[name] = t.to(device="cpu", dtype=dtype).contiguous()
         if rank0:

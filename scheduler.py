@@ -136,21 +136,20 @@ def rollout_metrics(summaries, tool_names=()):
     they ended, turns) and tool/ (calls per trajectory; the share that failed, in all and in correct trajectories;
     the tool-format health: the share of calls that did not parse, named no tool of the table, or repeated the call
     before; per tool in tool_names, its calls per trajectory and their failed share). Over every summary given
-    (in training: all 2G rollouts of the step, before RoC keeps G). tool/err counts a call answered
-    "overloaded" (our infrastructure) in its denominator, as a call that did not fail; p_err
-    (grpo_roc.penalty) counts it in neither side."""
+    (in training: all 2G rollouts of the step, before RoC keeps G). The failed shares are
+    agent.failed_share's: a call answered "overloaded" (our infrastructure) counts on neither side, as in
+    p_err (grpo_roc.penalty)."""
     count = len(summaries)
     calls = [status for summary in summaries for status in summary.call_statuses]
     faults = [fault for summary in summaries for fault in summary.call_faults]
-    error_share = lambda statuses: agent.n_failed(statuses) / max(1, len(statuses))  # noqa: E731
     metrics = {
         "rollout/response_len": sum(summary.n_response for summary in summaries) / count,
         "rollout/truncated_frac": sum(summary.finish == "length" for summary in summaries) / count,
         "rollout/turns": sum(summary.turns for summary in summaries) / count,
         "tool/calls": len(calls) / count,
-        "tool/err": error_share(calls),
-        "tool/err_pos": error_share([status for summary in summaries if summary.correct
-                                     for status in summary.call_statuses]),
+        "tool/err": agent.failed_share(calls),
+        "tool/err_pos": agent.failed_share([status for summary in summaries if summary.correct
+                                            for status in summary.call_statuses]),
         **{f"tool/{fault}": faults.count(fault) / max(1, len(faults))
            for fault in ("unparsed", "unknown_tool", "repeat")},
     }
@@ -159,7 +158,7 @@ def rollout_metrics(summaries, tool_names=()):
                     for status, tool in zip(summary.call_statuses, summary.call_tools)
                     if tool == name]
         metrics[f"tool/calls/{name}"] = len(statuses) / count
-        metrics[f"tool/err/{name}"] = error_share(statuses)
+        metrics[f"tool/err/{name}"] = agent.failed_share(statuses)
     return metrics
 
 
@@ -171,7 +170,7 @@ def task_metrics(summaries, task_of):
         calls = [status for summary in mine for status in summary.call_statuses]
         metrics[f"task/{name}/reward"] = sum(summary.reward for summary in mine) / len(mine)
         metrics[f"task/{name}/correct"] = sum(summary.correct for summary in mine) / len(mine)
-        metrics[f"task/{name}/tool_err"] = agent.n_failed(calls) / max(1, len(calls))
+        metrics[f"task/{name}/tool_err"] = agent.failed_share(calls)
     return metrics
 
 

@@ -45,10 +45,10 @@ import grading
 import grpo_roc
 from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
                         save_checkpoint)
-from common import (Logger, barrier, compute_cleanup, compute_init, full_value, pack, pack_sorted,
+from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
                     print0, read_jsonl, resolve_model)
 from configurator import configure
-from model import collate, load_model, token_logprobs, use_flash
+from model import collate, full_value, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
 from scheduler import (dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics,

@@ -194,10 +194,9 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import load_trainable
-    from common import (Logger, compute_cleanup, compute_init, full_value, pack, print0,
-                        resolve_model)
+    from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
     from configurator import configure
-    from model import collate, save_model, token_logprobs, use_flash
+    from model import collate, full_value, save_model, token_logprobs, use_flash
     from scheduler import gather
 
     model_path = "out/tiny-base"  # HF directory of the base model (weights + tokenizer)

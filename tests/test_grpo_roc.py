@@ -35,6 +35,10 @@ def test_overloaded_calls_count_in_neither_side_of_p_err():
     assert penalty(4, 1, 1, 1, num_overloaded=2) == pytest.approx(0.5)
     assert penalty(2, 0, 1, 1, num_overloaded=2) == 0.5  # every call overloaded: as if it made none
     assert penalty(3, 0, 1, 1, num_overloaded=1) == penalty(2, 0, 1, 1) == 0.0
+    # the metrics count them the same way: tool/err over the calls that count
+    import agent
+    assert agent.failed_share(["error", "ok", "overloaded", "overloaded"]) == 0.5
+    assert agent.failed_share(["overloaded"]) == 0.0 and agent.failed_share([]) == 0.0
     with pytest.raises(ValueError, match="num_overloaded"):
         penalty(2, 2, 1, 1, num_overloaded=1)  # more failures than calls that count
 

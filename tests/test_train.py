@@ -246,7 +246,8 @@ def test_a_second_tool_is_learned_and_called(sft, tmp_path):
     # the step's tool error ratio is over every tool's calls, the calculator's failures included
     metrics = json.loads(open(tmp_path / "r" / "metrics.jsonl").readline())
     failed = sum(c["status"] in agent.TOOL_ERRORS for c in calls)
-    assert metrics["tool/err"] == pytest.approx(failed / len(calls))
+    counted = sum(c["status"] != "overloaded" for c in calls)  # our infrastructure's: on neither side
+    assert metrics["tool/err"] == pytest.approx(failed / counted)
     assert any(c["tool"] == "calculate" and c["status"] == "error" for c in calls)  # it learned to fail sometimes too
     # and per tool: the calculator's own calls and failures, next to the Python tool's
     calc_calls = [c for c in calls if c["tool"] == "calculate"]
