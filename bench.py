@@ -1106,7 +1106,7 @@ def grading_off_the_loop(tok, reps, prompts=8, samples=16):
     def inline():
         grades = []
         engine.run(iter_claim(reqs()), 64, lambda t: grades.append(
-            math_task.reward(agent.sampled_turns(tok, t.response_ids, t.mask), t.meta["answer"])))
+            math_task.reward(agent.sampled_turns(tok, t.response_ids, t.mask), golds[t.key[1]])))
         assert grades == [1.0] * len(qs) * samples
 
     def off_loop():

@@ -92,7 +92,7 @@ class Logger:
             return
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
-        rows = read_jsonl(path, ()) if resume_step is not None and os.path.exists(path) else []
+        rows = read_jsonl(path) if resume_step is not None and os.path.exists(path) else []
         self.file = open(path, "w")
         self.file.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step)
         if wandb_project:
@@ -111,10 +111,11 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
 
-def read_jsonl(path, required=("question", "answer")):
+def read_jsonl(path, required=None):
     """Rows of a JSONL file (every script's data and metrics). A missing file or a bad line raises
-    ValueError 'path:line: what is wrong'; `required` fields must be there, question and answer as strings
-    (required may be a function of the row: a row that names its task needs that task's columns)."""
+    ValueError 'path:line: what is wrong'. `required`: the columns every row must have and their types, a
+    dict (a task's COLUMNS); or a function of the row that gives them (a row that names its task needs that
+    task's columns)."""
     rows = []
     try:
         f = open(path, encoding="utf-8")
@@ -131,12 +132,12 @@ def read_jsonl(path, required=("question", "answer")):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, "
                                  f"got {type(row).__name__}")
-            for key in required(row) if callable(required) else required:
+            columns = required(row) if callable(required) else required or {}
+            for key, kind in columns.items():
                 if key not in row:
                     raise ValueError(f"{path}:{lineno}: missing field {key!r}")
-                # answers are compared as text: a JSON number here is almost always a mistake
-                if key in ("question", "answer") and not isinstance(row[key], str):
-                    raise ValueError(f"{path}:{lineno}: field {key!r} must be a string, "
+                if not isinstance(row[key], kind):
+                    raise ValueError(f"{path}:{lineno}: field {key!r} must be {kind.__name__}, "
                                      f"got {type(row[key]).__name__}")
             rows.append(row)
     return rows

@@ -117,7 +117,7 @@ def premise(eval_dir):
     its first tool call failed, against when it ran (and without a call). RoC can only matter where recovering
     pays about as well as a clean call; where a failed call mostly ends wrong, plain GRPO's negative advantages
     already push errors out. -> {kind: (trajectories, share right, share cut by the budget)}"""
-    rows = read_jsonl(f"{eval_dir}/trajectories.jsonl", ())
+    rows = read_jsonl(f"{eval_dir}/trajectories.jsonl")
     kinds = {"first call failed": [], "first call ran": [], "no tool call": []}
     for r in rows:
         calls = r["tool_calls"]

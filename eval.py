@@ -116,7 +116,6 @@ def metrics(groups):
         # the problem's row: its counts, its vote, its lengths, its tool calls and endings
         per_problem.append({
             "index": index,
-            "gold": group[0].gold,
             "samples": k,
             "correct": correct,
             "accuracy": correct / k,
@@ -173,7 +172,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     requests = Lazy(len(problems) * samples, lambda index: Request(
         list(map(int, prompt_ids[index // samples])),
         key=(0, index // samples, index % samples),
-        meta={"answer": problems[index // samples].get("answer"), "problem": index // samples},
+        meta={"problem": index // samples},
         **grading.rollout_seam(problems[index // samples], task)))
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
@@ -223,10 +222,8 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
         summary["tasks"] = {name: metrics([group for group, group_name in zip(groups, names)
                                            if group_name == name])[0]
                             for name in sorted(set(names))}
-    # each problem's row also says which problem it is: its id (when the row has one), its question
-    for row, problem in zip(per_problem, problems):
-        row.update({"id": problem["id"]} if "id" in problem else {},
-                   question=problem.get("question"))
+    # each problem's row also holds the data row's own columns (its id, question, answer...: a key above wins)
+    per_problem = [{**problem, **row} for row, problem in zip(per_problem, problems)]
     return summary, per_problem
 
 
@@ -364,8 +361,7 @@ if __name__ == "__main__":
 
     # train_rl.py's dump record, written by the rank that made the trajectory
     def write(trajectory, summary):
-        dump.write(dump_line(trajectory, summary, tokenizer,
-                             problems[summary.problem].get("question"),
+        dump.write(dump_line(trajectory, summary, tokenizer, problems[summary.problem],
                              tokenizer.decode(trajectory.prompt_ids)))
 
     # the peak reported below is the evaluation's own: the load's (torch, the weights) is forgotten here
@@ -424,7 +420,7 @@ if __name__ == "__main__":
                "| # | id | gold | correct | maj answer | mean length | tool calls (errors) | truncated |",
                "|---|---|---|---|---|---|---|---|"]
         cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")[:40]
-        per += [f"| {row['index']} | {cell(row.get('id', ''))} | {cell(row['gold'])} | "
+        per += [f"| {row['index']} | {cell(row.get('id', ''))} | {cell(row.get('answer', ''))} | "
                 f"{row['correct']}/{k} | {cell(row['maj_answer'])} | {row['response_len']:.0f} | "
                 f"{row['tool_calls']} ({row['tool_errors']}) | {row['truncated']} |"
                 for row in per_problem]

@@ -95,7 +95,6 @@ class Summary:
     the metrics, RoC and the dumps read."""
     key: tuple  # (step, group, sample)
     problem: int  # the data row it answers
-    gold: object  # the row's gold answer (None when the task's rows have none)
     turns: int
     finish: str
     call_statuses: list  # one status per tool call (agent.TOOL_ERRORS are the failures)
@@ -122,8 +121,7 @@ class Summary:
 def summarize(trajectory, grade):
     """The Summary of a trajectory, graded `grade` (a grading.Grade)."""
     calls = trajectory.tool_calls
-    return Summary(trajectory.key, trajectory.meta["problem"], trajectory.meta.get("answer"),
-                   trajectory.turns, trajectory.finish,
+    return Summary(trajectory.key, trajectory.meta["problem"], trajectory.turns, trajectory.finish,
                    [call["status"] for call in calls],
                    [call.get("tool", "") for call in calls],
                    agent.call_faults(calls),
@@ -237,16 +235,16 @@ def exchange(trajectories, dest):
 # -----------------------------------------------------------------------------
 # the dumps: every trajectory written down by the rank that made it, the ranks' parts joined by rank 0
 
-def dump_line(trajectory, summary, tokenizer, question, prompt, **step_keys):
+def dump_line(trajectory, summary, tokenizer, row, prompt, **step_keys):
     """One trajectory as one JSON line: the record of train_rl.py's rollouts/step_*.jsonl.gz and of eval.py's
-    trajectories.jsonl (view.py reads both). The response in runs of one mask value, the tool calls, the grade
-    and RoC's decisions (None / false in eval); step_keys: training's step and group_kind."""
+    trajectories.jsonl (view.py reads both). The data row's own columns (the math task's question and answer;
+    a key below wins a clash), the response in runs of one mask value, the tool calls, the grade and RoC's
+    decisions (None / false in eval); step_keys: training's step and group_kind."""
     return json.dumps({
+        **row,
         **step_keys,
         "group": trajectory.key[1],
         "sample": trajectory.key[2],
-        "question": question,
-        "answer": summary.gold,
         "prompt": prompt,
         "segments": agent.mask_runs(tokenizer, trajectory.response_ids, trajectory.mask),
         "response_ids": trajectory.response_ids,

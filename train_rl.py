@@ -315,9 +315,8 @@ def dump_step(step, mine, summaries):
             kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
             if summary.problem not in prompts:  # a group's samples share their prompt: decoded once
                 prompts[summary.problem] = tokenizer.decode(trajectory.prompt_ids)
-            question = problems[summary.problem].get("question")
-            f.write(dump_line(trajectory, summary, tokenizer, question, prompts[summary.problem],
-                              step=step, group_kind=kind))
+            f.write(dump_line(trajectory, summary, tokenizer, problems[summary.problem],
+                              prompts[summary.problem], step=step, group_kind=kind))
     barrier()
     if rank == 0:
         join_parts(path, world)
@@ -356,7 +355,7 @@ while step < steps:
     cursor += prompts_per_step
     # each request with its row's tools, and the maker of its own environment when the row's task keeps state
     requests = [Request(prompt.tolist(), key=(step, group_index, sample_index),
-                        meta={"answer": problems[problem].get("answer"), "problem": problem},
+                        meta={"problem": problem},
                         **grading.rollout_seam(problems[problem], task_module))
                 for group_index, (problem, prompt) in enumerate(batch)
                 for sample_index in range(n_sample)]

@@ -80,7 +80,8 @@ def page_data(records):
     groups = {}
     for r in sorted(records, key=lambda r: (r.get("step") or 0, r["group"], r["sample"])):
         g = groups.setdefault((r.get("step"), r["group"]), {
-            "step": r.get("step"), "group": r["group"], "question": r["question"], "answer": r["answer"],
+            "step": r.get("step"), "group": r["group"],
+            "question": r.get("question"), "answer": r.get("answer"),
             "prompt": r.get("prompt", ""), "kind": r.get("group_kind"), "samples": []})
         mask = r.get("mask") or []
         runs = [len(list(run)) for _, run in itertools.groupby(mask)]  # tokens in each segment

@@ -30,7 +30,7 @@ import json
 
 import agent
 
-COLUMNS = ("question", "entry", "tests")
+COLUMNS = {"question": str, "entry": str, "tests": list}
 TOOLS = agent.PYTHON_TOOLS
 USER_PREFIX = ("Put your final answer inside <answer> </answer> tags as one ```python code block that defines "
                "the function asked for.\nThis is the problem:\n")

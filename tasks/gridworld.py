@@ -30,7 +30,7 @@ import random
 import agent
 from sandbox import Result
 
-COLUMNS = ("question", "size", "start", "goal", "walls")
+COLUMNS = {"question": str, "size": int, "start": list, "goal": list, "walls": list}
 DIRECTIONS = {"up": (0, 1), "down": (0, -1), "left": (-1, 0), "right": (1, 0)}
 MOVE_SCHEMA = {
     "type": "function",

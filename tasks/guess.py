@@ -24,7 +24,7 @@ import math
 import agent
 import grading
 
-COLUMNS = ("question", "secret", "high")
+COLUMNS = {"question": str, "secret": int, "high": int}
 TOOLS = {}
 
 

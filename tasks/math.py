@@ -6,7 +6,8 @@ budget 0 before any task sees it, unless score_truncated: grading.Grader.grade).
 
 A task is one file like this one, named by the `task` key of train_rl.py and eval.py. It defines:
 
-    COLUMNS        the JSONL columns every row must have (a missing one stops the run, naming file and line)
+    COLUMNS        the JSONL columns every row must have, with their types (a missing one, or one of
+                   another type, stops the run, naming file and line)
     TOOLS          its tool table, name -> agent.Tool (schema + run); {} offers no tool
     prompt(row)    the whole prompt text of a data row (agent.prompt_text renders the protocol's)
     predict(turns) the prediction read from the sampled turns (maj@k votes on it unless vote(); None: none)
@@ -32,7 +33,9 @@ import re
 import agent
 import grading
 
-COLUMNS = ("question", "answer")
+# the columns and their types: answers are compared as text, so a JSON number is refused (it is almost always
+# a mistake: 0.333 for 1/3)
+COLUMNS = {"question": str, "answer": str}
 TOOLS = agent.PYTHON_TOOLS
 
 _ZERO_WIDTH = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))

@@ -120,7 +120,7 @@ def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     log = Logger(str(tmp_path), resume_step=3)  # the checkpoint of step 3: steps 4 and 5 run again
     for step in (4, 5):
         log.log(step, {"reward": 1.0})
-    rows = read_jsonl(str(tmp_path / "metrics.jsonl"), ())
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["reward"] for r in rows] == [0.1, 0.2, 0.3, 1.0, 1.0]
     with pytest.raises(ValueError, match="cannot read it"):
         read_jsonl(str(tmp_path / "missing.jsonl"))

@@ -76,9 +76,10 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
     rows = [{"question": "What is 1 + 2?", "answer": "3"}, {"question": "√?", "answer": "-4", "extra": [1]}]
     path = tmp_path / "d.jsonl"
     common_write_jsonl(str(path), rows)
-    assert read_jsonl(str(path)) == rows
+    assert read_jsonl(str(path), math_task.COLUMNS) == rows
+    # the math task's columns are text: the type comes from the task, not from the reader
     bad = {
-        '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be a string",
+        '{"question": "q", "answer": "1"}\n\n{"question": "q", "answer": 2}\n': ":3: field 'answer' must be str",
         '{"question": "q", "answer": "1"}\n{"question": "q"\n': ":2: not valid JSON",
         '{"answer": "1"}\n': ":1: missing field 'question'",
         '[1, 2]\n': ":1: expected a JSON object",
@@ -86,9 +87,9 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
     for text, msg in bad.items():
         path.write_text(text)
         with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + msg):
-            read_jsonl(str(path))
+            read_jsonl(str(path), math_task.COLUMNS)
     path.write_text('{"messages": []}\n')
-    assert read_jsonl(str(path), required=("messages",)) == [{"messages": []}]
+    assert read_jsonl(str(path), required={"messages": list}) == [{"messages": []}]
 
 
 def test_sft_conversation():
@@ -149,7 +150,7 @@ def test_prepared_dir_loads(prepared):
     base, data_dir = out / "tiny-base", out / "data"
     train = read_jsonl(str(data_dir / "train.jsonl"))
     heldout = read_jsonl(str(data_dir / "heldout.jsonl"))
-    sft = read_jsonl(str(data_dir / "sft.jsonl"), required=("question", "answer", "messages"))
+    sft = read_jsonl(str(data_dir / "sft.jsonl"), required={"question": str, "answer": str, "messages": list})
     assert (len(train), len(heldout), len(sft)) == (2000, 200, 400)
     assert not {p["question"] for p in heldout} & {p["question"] for p in train + sft}
     loaded = AutoTokenizer.from_pretrained(str(base))
@@ -273,9 +274,9 @@ def test_task_data_commands_run(tmp_path):
         assert p.returncode == 0, p.stderr[-2000:]
         return p.stdout
     assert "code_train 3, code_heldout 2" in command("code-set", "--n_train=3", "--n_heldout=2")
-    code_rows = read_jsonl(str(tmp_path / "code_train.jsonl"), required=("question", "entry", "tests"))
-    assert len(code_rows) == 3 and len(read_jsonl(str(tmp_path / "code_heldout.jsonl"), required=("tests",))) == 2
+    code_rows = read_jsonl(str(tmp_path / "code_train.jsonl"), required={"question": str, "entry": str, "tests": list})
+    assert len(code_rows) == 3 and len(read_jsonl(str(tmp_path / "code_heldout.jsonl"), required={"tests": list})) == 2
     common_write_jsonl(str(tmp_path / "train.jsonl"), data.make_problems(5, seed=0, max_digits=3, max_ops=2))
     assert "wrote 3 traces" in command("traces", "--task=tasks/calculator.py", "--n_sft=3")
-    traces = read_jsonl(str(tmp_path / "sft_calculator.jsonl"), required=("messages", "tools"))
+    traces = read_jsonl(str(tmp_path / "sft_calculator.jsonl"), required={"messages": list, "tools": list})
     assert all(m["content"].startswith("Tool call") for t in traces for m in t["messages"] if m["role"] == "tool")

@@ -87,7 +87,7 @@ def test_evaluate_groups_maj_at_k_by_the_tasks_vote(monkeypatch):
         seen.append((row["question"], pred, trajectory.key))
         return {"one": 1, "uno": 1, "two": 2}[pred]
     task = types.SimpleNamespace(
-        __name__="numbers", COLUMNS=("question",), TOOLS={}, prompt=lambda row: row["question"], vote=vote,
+        __name__="numbers", COLUMNS={"question": str}, TOOLS={}, prompt=lambda row: row["question"], vote=vote,
         predict=lambda turns: turns[0], grade=lambda row, pred, turns, grader, trajectory: (pred == "two", pred == "two"))
     monkeypatch.setattr(ev, "generate", fake_generate)
     tok = types.SimpleNamespace(decode=lambda ids: preds[ids[0]])
@@ -274,7 +274,7 @@ def test_script_bad_input_is_named(tiny, tmp_path):
     write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
     p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}", f"--data_path={bad}"],
                        cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0 and "bad.jsonl:1: field 'answer' must be a string" in p.stderr
+    assert p.returncode != 0 and "bad.jsonl:1: field 'answer' must be str" in p.stderr
     p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
                         f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"],
                        cwd=ROOT, capture_output=True, text=True)

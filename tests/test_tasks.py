@@ -156,7 +156,7 @@ def test_traces_of_a_task_carry_the_real_tool_answers():
 
 
 def test_a_task_file_that_lacks_a_piece_is_named(tmp_path):
-    (tmp_path / "half.py").write_text("COLUMNS = ('question',)\ndef prompt(row):\n    return row['question']\n")
+    (tmp_path / "half.py").write_text("COLUMNS = {'question': str}\ndef prompt(row):\n    return row['question']\n")
     with pytest.raises(ValueError, match="does not define TOOLS, predict, grade"):
         grading.load_task(str(tmp_path / "half.py"))
     with pytest.raises(FileNotFoundError, match="nowhere.py"):
