@@ -316,6 +316,13 @@ def tool_suffix_text(responses):
     return f"<|im_start|>user{body}{END}\n{GENERATION_PROMPT}"
 
 
+def user_turn_text(text):
+    """What follows an assistant turn that an environment answered (its respond(): a referee, a simulated user):
+    its text as a user turn of the chat template, then the forced start of the next assistant turn. No "\n"
+    after the model's <|im_end|>, as after a tool turn."""
+    return f"<|im_start|>user\n{text}{END}\n{GENERATION_PROMPT}"
+
+
 def tool_suffix_ids(tokenizer, responses):
     """Token ids appended (mask 0) after a tool-calling assistant turn."""
     if not responses or not all(isinstance(r, str) for r in responses):
@@ -395,10 +402,11 @@ def check_messages(messages, tool_names=None):
 def conversation_segments(messages, tools=PYTHON_TOOLS):
     """
     Split a conversation into (text, mask) pieces in rollout order: the prompt (0), each assistant turn
-    after its forced <reason> (1), each group of tool responses with the next forced prefix (0).
+    after its forced <reason> (1), each group of tool responses with the next forced prefix (0), and each
+    user message after an assistant turn without calls (an environment's reply: user_turn_text) (0).
     Messages: check_messages' rules, and the protocol's: an optional system message, one user question,
-    then assistant turns (contents starting with <reason>, calls in tool_calls) and their tool messages.
-    Raises ValueError naming the offending message index.
+    then assistant turns (contents starting with <reason>, calls in tool_calls), their tool messages, and
+    the environment's user turns. Raises ValueError naming the offending message index.
     """
     messages = check_messages(messages)
     first = 1 if messages[0]["role"] == "system" else 0  # the user question's index
@@ -416,9 +424,14 @@ def conversation_segments(messages, tools=PYTHON_TOOLS):
                 segments.append((tool_suffix_text(responses), 0))
                 responses = []
             continue
+        # a user message after a turn without calls (check_messages: a turn with calls has its tool
+        # messages next): the environment's reply, as the engine appends it
+        if m["role"] == "user" and messages[i - 1]["role"] == "assistant":
+            segments.append((user_turn_text(m["content"]), 0))
+            continue
         if m["role"] != "assistant":
-            raise ValueError(f"message {i}: unexpected {m['role']} message "
-                             "(only one leading system and one user)")
+            raise ValueError(f"message {i}: unexpected {m['role']} message (one leading system, one "
+                             "user question, then a user message only after an assistant turn)")
         # an assistant turn: its text after the forced <reason>, then its calls as the template writes them
         content = m["content"]
         if not isinstance(content, str) or not content.startswith("<reason>"):
@@ -427,7 +440,7 @@ def conversation_segments(messages, tools=PYTHON_TOOLS):
         if "<tool_call>" in content:
             raise ValueError(
                 f"message {i}: put tool calls in 'tool_calls', not as <tool_call> text in content")
-        if not m.get("tool_calls") and i != len(messages) - 1:
+        if not m.get("tool_calls") and i != len(messages) - 1 and messages[i + 1]["role"] != "user":
             raise ValueError(f"message {i + 1}: the conversation goes on after a final assistant "
                              "turn (no tool calls)")
         text = content[len("<reason>"):]

@@ -20,15 +20,17 @@ This module makes, offline and from a seed:
 
 CPU command (about a minute):  python data.py prepare --out=out/tiny-base --seed=0
 
-For a task file (README "Fork it"), two more commands:
+For a task file (README "Fork it"), more commands:
 
     python data.py traces --task=tasks/calculator.py --n_sft=2000     # SFT traces from the task's trace(row, rng)
     python data.py code-set                                           # tasks/code.py's tiny problem set
     python data.py grid-set                                           # tasks/gridworld.py's tiny grids
+    python data.py guess-set                                          # tasks/guess.py's games
 
 `traces` runs every tool call of the traces through the task's own tool table (the sandbox for Python), so
-the tool messages are the real answers, and writes rows with "tools": the schemas the task's prompt lists
-(train_sft.py's "rstar2" format renders them).
+the tool messages are the real answers; for a task whose environment answers turns (tasks/guess.py's
+referee), the user turns after the question are its real replies. It writes rows with "tools": the schemas
+the task's prompt lists (train_sft.py's "rstar2" format renders them).
 
 It also converts benchmark files you downloaded yourself (we never download) into eval.py's and
 train_rl.py's JSONL, {"question", "answer"(, "id")}:
@@ -302,12 +304,16 @@ def prepare(out_dir, seed, run, data_dir=None, n_train=20000, n_heldout=256, n_s
 def task_traces(task, rows, rng, sandbox, timeout=60.0):
     """SFT rows for a task: each row + "messages" (task.trace(row, rng), every tool message filled with the real
     answer of its call, run through task.TOOLS; a task with an environment(row) gets a new one per trace, as each
-    rollout does, closed after it) + "tools" (the schemas its prompt lists, in order). A call unanswered after
-    `timeout` seconds stops it with TimeoutError: a trace must not carry an answer its tool never gave."""
+    rollout does, closed after it; with a respond(), each user message after an assistant turn without calls is
+    filled with its real reply, as the engine would append it) + "tools" (the schemas its prompt lists, in
+    order). A call unanswered after `timeout` seconds stops it with TimeoutError, and a trace that goes on where
+    the environment ended the episode (or ends where it answered) with ValueError: a trace must not carry an
+    answer its environment never gave."""
     out = []
     for row in rows:
         messages, answers = task.trace(row, rng), []
         world = task.environment(row) if hasattr(task, "environment") else None
+        respond = getattr(world, "respond", None)
         for i, m in enumerate(messages):
             # each call of an assistant turn runs as a rollout would run it; its answer goes to the next tool message
             for call in m.get("tool_calls") or []:
@@ -316,6 +322,16 @@ def task_traces(task, rows, rng, sandbox, timeout=60.0):
                 answers.append(rec["output"] if future is None else agent.tool_response_text(future.result(timeout)))
             if m["role"] == "tool":
                 m["content"] = answers.pop(0)
+            # a turn without calls goes to the environment's respond() as the engine gives it: the text after the
+            # forced <reason>, up to <|im_end|>; its reply is the next user message, None ends the episode
+            if respond and m["role"] == "assistant" and not m.get("tool_calls"):
+                reply = respond(m["content"].removeprefix("<reason>") + agent.END)
+                goes_on = i + 1 < len(messages)
+                if (reply is None) == goes_on:
+                    raise ValueError(f"message {i}: the trace {'goes on' if goes_on else 'ends'} where "
+                                     f"the environment {'ended the episode' if goes_on else 'answered'}")
+                if goes_on:
+                    messages[i + 1]["content"] = reply
         if world is not None:
             world.close()
         out.append(dict(row, messages=messages, tools=[t.schema for t in task.TOOLS.values()]))
@@ -554,7 +570,7 @@ if __name__ == "__main__":
             sys.exit(f"rl-set error: {e}")
         sys.exit(0)
     parser = argparse.ArgumentParser(description="make the tiny task data, tokenizer and model")
-    parser.add_argument("command", choices=["prepare", "traces", "code-set", "grid-set"])
+    parser.add_argument("command", choices=["prepare", "traces", "code-set", "grid-set", "guess-set"])
     parser.add_argument("--task", default="tasks/math.py", help="traces: the task file whose trace() and tools to use")
     parser.add_argument("--problems", default="", help="traces: the rows to trace (default: data_dir/train.jsonl)")
     parser.add_argument("--out", default="out/tiny-base", help="model + tokenizer directory")
@@ -583,12 +599,15 @@ if __name__ == "__main__":
         write_jsonl(os.path.join(data_dir, "code_heldout.jsonl"), rows[args.n_train:])
         print(f"{data_dir}: code_train {args.n_train}, code_heldout {args.n_heldout}")
         sys.exit(0)
-    if args.command == "grid-set":
+    # an environment task's own rows, from its problems(n, seed): grid_train.jsonl, guess_heldout.jsonl, ...
+    if args.command in ("grid-set", "guess-set"):
         from grading import load_task
-        rows = load_task("tasks/gridworld.py").problems(args.n_train + args.n_heldout, args.seed)
-        write_jsonl(os.path.join(data_dir, "grid_train.jsonl"), rows[:args.n_train])
-        write_jsonl(os.path.join(data_dir, "grid_heldout.jsonl"), rows[args.n_train:])
-        print(f"{data_dir}: grid_train {args.n_train}, grid_heldout {args.n_heldout}")
+        name = args.command.removesuffix("-set")
+        task_file = {"grid": "tasks/gridworld.py", "guess": "tasks/guess.py"}[name]
+        rows = load_task(task_file).problems(args.n_train + args.n_heldout, args.seed)
+        write_jsonl(os.path.join(data_dir, f"{name}_train.jsonl"), rows[:args.n_train])
+        write_jsonl(os.path.join(data_dir, f"{name}_heldout.jsonl"), rows[args.n_train:])
+        print(f"{data_dir}: {name}_train {args.n_train}, {name}_heldout {args.n_heldout}")
         sys.exit(0)
     if args.command == "traces":
         from common import read_jsonl

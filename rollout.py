@@ -644,8 +644,7 @@ class Engine:
         else:
             # no call: the environment's reply, as a user turn of the chat template (right after the
             # model's <|im_end|>, as the tool turn is)
-            reply = f"<|im_start|>user\n{row.reply}{agent.END}\n{agent.GENERATION_PROMPT}"
-            suffix = self.tok.encode(reply, add_special_tokens=False)
+            suffix = self.tok.encode(agent.user_turn_text(row.reply), add_special_tokens=False)
         row.calls = []
         self.log("tool_done", row)
         # stop before appending: a trajectory always ends on a model turn

@@ -20,6 +20,7 @@ environment answers turns that made no tool call, which is the second half of th
 A row: {"question": "...", "secret": 11, "high": 16}; the question says the range and how to answer.
 """
 import math
+import random
 
 import agent
 import grading
@@ -65,6 +66,32 @@ def prompt(row):
 
 def predict(turns):
     return agent.extract_answer(turns)
+
+
+def trace(row, rng):
+    """SFT messages that play the game by binary search, one guess a turn; user messages after the first are
+    left None: data.py fills them in with the Referee's real replies (python data.py traces
+    --task=tasks/guess.py). A quarter of them open with a random guess instead of the middle."""
+    low, high = 1, row["high"]
+    guess = rng.randint(low, high) if rng.random() < 0.25 else (low + high) // 2
+    messages = [{"role": "user", "content": row["question"]}]
+    while True:
+        messages.append({"role": "assistant",
+                         "content": f"<reason>I guess {guess}.</reason>\n<answer>\\boxed{{{guess}}}</answer>"})
+        if guess == row["secret"]:
+            return messages
+        messages.append({"role": "user", "content": None})
+        # the referee's reply, known here from the secret, narrows the range
+        low, high = (guess + 1, high) if guess < row["secret"] else (low, guess - 1)
+        guess = (low + high) // 2
+
+
+def problems(n, seed, high=16):
+    """n rows {"question", "secret", "high"}, the secret drawn from 1..high (the same secret may repeat)."""
+    rng = random.Random(seed)
+    question = (f"Guess my number from 1 to {high}: one guess a turn, in <answer>\\boxed{{}}</answer>. I answer "
+                "higher or lower.")
+    return [{"question": question, "secret": rng.randint(1, high), "high": high} for _ in range(n)]
 
 
 def grade(row, pred, turns, grader, trajectory):

@@ -161,6 +161,10 @@ def test_render_conversation_ids_and_mask(tok):
      "message 1: a tool call needs"),
     ([{"role": "user", "content": "q"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<reason>a"}],
      "message 1: unexpected user"),
+    # a user turn follows only a turn without calls (an environment's reply), never a tool message
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<reason>a", "tool_calls": [call("1")]},
+      {"role": "tool", "content": "5"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "<reason>b"}],
+     "message 3: unexpected user"),
     ([{"role": "user", "content": 3}], "message 0: user content must be a string"),
     ([{"role": "user", "content": "q"}], "the conversation must end"),
 ])

@@ -17,6 +17,7 @@ import transformers
 import agent
 import data
 import grading
+import train_sft
 import view
 from common import write_jsonl
 from model import load_model
@@ -387,3 +388,37 @@ def test_referee_rows_preempted_mid_game_ask_each_turn_once(tiny):
         assert traj.response_ids == roomy[sample].response_ids and traj.mask == roomy[sample].mask
         assert traj.environment.guesses == [int(t.split("{")[1].split("}")[0]) for t in scripts[sample]]
         assert traj.finish == "stop"
+
+
+def test_referee_traces_hold_the_replies_the_engine_appends(tiny, tmp_path):
+    # python data.py guess-set, then traces --task=tasks/guess.py: each user turn after the question is the
+    # Referee's real reply to the turn before it
+    for args in (["guess-set", "--n_train=8", "--n_heldout=2"],
+                 ["traces", "--task=tasks/guess.py", f"--problems={tmp_path}/guess_train.jsonl", "--n_sft=8"]):
+        subprocess.run([sys.executable, "data.py", *args, f"--data_dir={tmp_path}"], cwd=ROOT, check=True,
+                       capture_output=True)
+    traces = rows_of(tmp_path / "sft_guess.jsonl")
+    # train_sft.py's "rstar2" format takes them: every line passes its checks
+    assert len(traces) == len(train_sft.index_file(str(tmp_path / "sft_guess.jsonl"), "rstar2")) == 8
+    for trace in traces:
+        replies = [m["content"] for m in trace["messages"][1:] if m["role"] == "user"]
+        guesses = [int(m["content"].split("{")[1].split("}")[0]) for m in trace["messages"] if m["role"] == "assistant"]
+        want = ["higher" if g < trace["secret"] else "lower" for g in guesses[:-1]]
+        assert replies == want and guesses[-1] == trace["secret"]
+    # SFT renders a trace exactly as the engine appends the same turns against the same row's Referee
+    [trace] = data.task_traces(GUESS, [GUESS_ROW], random.Random(1), sandbox=None)
+    turns = [m["content"].removeprefix("<reason>") + agent.END for m in trace["messages"] if m["role"] == "assistant"]
+    assert len(turns) > 2
+    engine, trajs = referee_run(tiny, {0: turns}, max_turns=10)
+    ids, mask = agent.render_conversation(engine.tok, trace["messages"], GUESS.TOOLS)
+    n_prompt = len(engine.tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False))
+    assert (ids[n_prompt:], mask[n_prompt:]) == (trajs[0].response_ids, trajs[0].mask)
+    assert trajs[0].finish == "stop"
+    # a trace that goes on after the referee ended the game (or ends where it answered) is refused, not written
+    right = {"role": "assistant", "content": "<reason>I guess 11.</reason>\n<answer>\\boxed{11}</answer>"}
+    wrong = {"role": "assistant", "content": "<reason>I guess 3.</reason>\n<answer>\\boxed{3}</answer>"}
+    for messages, says in (([right, {"role": "user", "content": None}, right], "goes on"), ([wrong], "ends")):
+        task = types.SimpleNamespace(TOOLS={}, environment=GUESS.environment,
+                                     trace=lambda row, rng: [{"role": "user", "content": "q"}] + messages)
+        with pytest.raises(ValueError, match=f"message [0-9]: the trace {says} where"):
+            data.task_traces(task, [GUESS_ROW], random.Random(0), sandbox=None)

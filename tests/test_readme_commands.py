@@ -57,6 +57,7 @@ RL_STEP = ["--steps=1", "--prompts_per_step=2", "--samples_per_prompt=2", "--kee
 TOY = {
     "data.py code-set": ["--n_train=4", "--n_heldout=2"],
     "data.py grid-set": ["--n_train=4", "--n_heldout=2"],
+    "data.py guess-set": ["--n_train=4", "--n_heldout=2"],
     "data.py traces": ["--n_sft=3"],
     "data.py convert": [],  # its inputs are the toy DOWNLOADS
     "data.py rl-set": [],  # likewise
