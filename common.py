@@ -27,14 +27,15 @@ def compute_init(seed=0, timeout_s=1800):
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
-        if device.type == "cuda":  # pickled objects would otherwise travel through GPU memory
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                                device_id=device if cuda else None)
+        if cuda:  # pickled objects would otherwise travel through GPU memory
             _cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     # same seed on every rank: the model init and data order agree; rollouts get their own generators
     random.seed(seed)
