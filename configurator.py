@@ -83,8 +83,7 @@ def key_comments(path):
 def configure(g, argv=None):
     """Apply config files and --key=value overrides from argv to the dict g (a module's globals)."""
     argv = sys.argv[1:] if argv is None else argv
-    defaults = {k: v for k, v in g.items() if not k.startswith("_") and isinstance(v, SIMPLE)
-                and not callable(v)}
+    defaults = {k: v for k, v in g.items() if not k.startswith("_") and isinstance(v, SIMPLE)}
     verbose = int(os.environ.get("RANK", "0")) == 0
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
