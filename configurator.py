@@ -110,7 +110,9 @@ def configure(g, argv=None):
             except SyntaxError as e:
                 fail(f"{arg}:{e.lineno}: {e.msg}")
             except Exception as e:  # a config that raises while running, e.g. a NameError
-                line = sys.exc_info()[2].tb_next.tb_lineno if sys.exc_info()[2].tb_next else "?"
+                # the traceback entry of the config file itself, below this one
+                tb = e.__traceback__.tb_next
+                line = tb.tb_lineno if tb else "?"
                 fail(f"{arg}:{line}: {type(e).__name__}: {e}")
             where = label = arg
             assigned = {key: value for key, value in scope.items()
