@@ -113,10 +113,10 @@ def penalty(num_calls, num_errors, num_answers, num_turns, num_overloaded=0):
     return p_err + p_format
 
 
-def _check_rewards(rewards, name):
+def _check_rewards(rewards):
     if not bool(((rewards >= 0) & (rewards <= 1)).all()):
         raise ValueError(
-            f"{name} must be rewards in [0, 1], got values {rewards.unique().tolist()}")
+            f"rewards must be in [0, 1], got values {rewards.unique().tolist()}")
 
 
 def filter_groups(rewards):
@@ -130,7 +130,7 @@ def filter_groups(rewards):
     if rewards.dim() != 2 or rewards.size(1) < 2:
         raise ValueError(
             f"rewards must be (num_groups, 2G) with 2G >= 2, got shape {tuple(rewards.shape)}")
-    _check_rewards(rewards, "rewards")
+    _check_rewards(rewards)
     uniform = (rewards == rewards[:, :1]).all(dim=1)  # (num_groups,)
     num_all_correct = int((uniform & (rewards[:, 0] == 1)).sum())
     num_all_wrong = int((uniform & (rewards[:, 0] == 0)).sum())
@@ -153,7 +153,7 @@ def resample_on_correct(rewards, penalties, G, generator, *,
     if rewards.shape != (2 * G,) or penalties.shape != (2 * G,):
         raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
                          f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
-    _check_rewards(rewards, "rewards")
+    _check_rewards(rewards)
     if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
     # the ones the update reinforces (A >= 0: the module docstring's rule)
