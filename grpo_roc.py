@@ -238,7 +238,7 @@ def adv_group_std(rewards, eps=1e-6):
     return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
 
 
-def adv_group_mean(rewards, eps=1e-6):
+def adv_group_mean(rewards):
     """Dr. GRPO: A_i = r_i - mean(r) over the group, no division by the std (which up-weights groups that are
     nearly all right or all wrong)."""
     return rewards - rewards.mean(dim=1, keepdim=True)
