@@ -203,8 +203,9 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
                          f"got {min_pos=} {min_neg=} {G=}")
     n_pos = len(pos)
     n_neg = len(neg)
-    k_neg = round(n_neg * G / (2 * G))
-    k_pos = round(n_pos * G / (2 * G))
+    # the release's round(n_neg * G / n) with n = 2G
+    k_neg = round(n_neg / 2)
+    k_pos = round(n_pos / 2)
     if k_neg <= min(min_neg, n_neg):
         k_neg = min(min_neg, n_neg)
         k_pos = G - k_neg
