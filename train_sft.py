@@ -107,7 +107,8 @@ def render_chat(tokenizer, messages, tools=None):
         pieces += [(full[done:start], 0), (body, 1)]
         done = start + len(body)
     pieces.append((full[done:], 0))
-    return agent.encode_segments(tokenizer, [(text, mask) for text, mask in pieces if text])
+    # an empty piece encodes to no tokens
+    return agent.encode_segments(tokenizer, pieces)
 
 
 def parse(line, fmt):
