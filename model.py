@@ -777,7 +777,8 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     dtype = dtype or next(iter(params.values())).dtype
     # plan shards from global sizes, so every rank agrees without communication
     shards = [[]]
-    size = 0
+    size = 0  # bytes in the last shard
+    total = 0  # bytes in all of them (the index's total_size)
     for name, p in params.items():
         nbytes = p.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -785,6 +786,7 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
             size = 0
         shards[-1].append(name)
         size += nbytes
+        total += nbytes
     files = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if rank0:
@@ -806,7 +808,6 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
             save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
     if rank0 and len(shards) > 1:
         weight_map = {name: file for names, file in zip(shards, files) for name in names}
-        total = sum(p.numel() * dtype.itemsize for p in params.values())
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
