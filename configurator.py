@@ -34,11 +34,8 @@ def check(key, value, defaults, where):
     default = defaults[key]
     if default is None or value is None:
         return value
-    if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-    elif (isinstance(default, float) and isinstance(value, (int, float))
-          and not isinstance(value, bool)):
+    # an int where a float is expected becomes one (a bool is no int here: type, not isinstance)
+    if isinstance(default, float) and type(value) is int:
         return float(value)
     elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         return type(default)(value)
