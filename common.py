@@ -91,11 +91,11 @@ class Logger:
         self.wandb = None  # wandb: only when a project is named
         if not self.active:
             return
-        os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, "metrics.jsonl")
         rows = read_jsonl(path) if resume_step is not None and os.path.exists(path) else []
-        self.file = open(path, "w")
-        self.file.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step)
+        # the rows kept (write_jsonl makes run_dir), then this run's appended
+        write_jsonl(path, [r for r in rows if r["step"] <= resume_step])
+        self.file = open(path, "a")
         if wandb_project:
             import wandb  # optional: only imported when asked for
             self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir),
