@@ -29,7 +29,7 @@ def fail(msg):
 def check(key, value, defaults, where):
     """Return value converted to the type of the default, or exit naming the key."""
     if key not in defaults:
-        close = difflib.get_close_matches(key, list(defaults), n=1)
+        close = difflib.get_close_matches(key, defaults, n=1)
         fail(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
     default = defaults[key]
     if default is None or value is None:
