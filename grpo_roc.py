@@ -435,7 +435,8 @@ def mismatch(trainer_logprobs, engine_logprobs, mask):
     """
     mask = mask.bool()
     d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0)  # (B, T)
-    return {"abs": d.abs().sum(), "max": d.abs().max() if mask.any() else d.new_zeros(()),
+    # d is 0 off the mask, so the max over all of it is the max over the mask (0 with no mask-1 token)
+    return {"abs": d.abs().sum(), "max": d.abs().max(),
             "k3": torch.where(mask, d.exp() - 1 - d, 0.0).sum(),
             "out": (mask & ((d < -math.log(2)) | (d > math.log(2)))).sum(), "n": mask.sum()}
 
