@@ -281,10 +281,11 @@ def advantages(rewards, scale="std", positive=None):
 
     rewards: (num_groups, G) float tensor. Returns the same shape.
     """
-    if rewards.dim() != 2 or rewards.size(1) < 2 or not callable(ADVANTAGES.get(scale, scale)):
+    estimator = ADVANTAGES.get(scale, scale)
+    if rewards.dim() != 2 or rewards.size(1) < 2 or not callable(estimator):
         raise ValueError(f"rewards must be (num_groups, G) with G >= 2 and scale one of "
                          f"{tuple(ADVANTAGES)}, got shape {tuple(rewards.shape)} and {scale!r}")
-    adv = ADVANTAGES.get(scale, scale)(rewards.float())  # (num_groups, G)
+    adv = estimator(rewards.float())  # (num_groups, G)
     if positive is None:
         return adv
     return torch.where(positive, adv.clamp(min=0.0), adv.clamp(max=0.0))
