@@ -269,7 +269,8 @@ if __name__ == "__main__":
     max_turns = 30  # assistant turns per answer (the paper: 30)
     # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
     max_calls_per_turn = 1
-    # seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
+    # seconds a call may take before it is answered "timeout" (and an environment's reply before the episode
+    # ends); 0: the sandbox's bound + 30 s
     tool_call_timeout = 0.0
     # chars per tool response, middle cut (the release: verl's max_tool_response_length)
     tool_max_chars = 256

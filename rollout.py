@@ -28,7 +28,8 @@ this over-commits with preemption as vLLM / SGLang do, which §3.2 sets out to a
   `<|im_start|>assistant\\n<reason>`) are prefilled into the row and it resumes.
 - a turn without a tool call ends the row, unless the trajectory's environment has a respond(turn_text)
   method (a referee, a simulated user: tasks/guess.py): its answer is appended as the next user turn (mask
-  0) and the row decodes on, parked like a row with tool calls; None from it ends the row.
+  0) and the row decodes on, parked like a row with tool calls; None from it ends the row. An answer that
+  takes time comes as a Future, bounded like a call: one not done by the row's deadline ends the row too.
 - one response budget per trajectory counts model and tool tokens (and environment replies) together (the
   released code's rule; the paper does not say); finish
   reasons: `stop` (a turn without tool calls, or the environment's end), `length` (budget), `max_turns`
@@ -110,11 +111,17 @@ class Row:
         self.pending = list(req.prompt_ids)
         self.logits = None  # (V,) logits to sample the next token from
         self.calls = []  # while parked: list of (record, future or None)
-        # while parked on no call: the environment's answer to the turn (Engine.end_turn)
+        # while parked on no call: the environment's answer to the turn, or its Future (Engine.end_turn)
         self.reply = None
         # while parked: when (time.monotonic) calls still unanswered are answered "timeout"
         self.deadline = 0.0
         self.dropped = 0  # tokens preemption took out of the KV, to be prefilled again
+
+    def waits(self):
+        """What a parked row waits on: its calls' Futures (a call answered at once has none), and its
+        environment's reply when that is a Future."""
+        futures = [future for _, future in self.calls if future is not None]
+        return futures + [self.reply] if isinstance(self.reply, concurrent.futures.Future) else futures
 
 
 @dataclass
@@ -414,16 +421,14 @@ class Engine:
                 # the rows parked on their tool calls (or an environment's reply), and their calls still
                 # out (step 5 waits on those too when no row decodes)
                 parked = [row for row in rows.values() if row.state == PARKED]
-                futures = [future for row in parked
-                           for _, future in row.calls if future is not None]
+                futures = [future for row in parked for future in row.waits()]
                 if self.deterministic:
                     # every answer first (or every deadline passed), so which rows share the next forward does not
                     # depend on timing
                     concurrent.futures.wait(futures, timeout=self.call_timeout)
                 now = time.monotonic()
                 for row in parked:
-                    answered = all(future is None or future.done() for _, future in row.calls)
-                    if now >= row.deadline or answered:
+                    if now >= row.deadline or all(future.done() for future in row.waits()):
                         todo += self.resume(row)
                 # 3. waiting rows enter the KV in admission order, while their promise fits
                 waiting = [row for row in rows.values() if row.state == WAITING]
@@ -597,8 +602,9 @@ class Engine:
     def end_turn(self, row, sandbox):
         """Parse the finished turn: no tool call ends the trajectory (so does the turn limit), unless
         the trajectory's environment answers the turn (respond(text): the next user turn's text, None:
-        the end); else the row is parked on its calls, which go to the sandbox pool (or on the
-        environment's reply), and the other rows keep decoding."""
+        the end, or a Future of either when it takes time: like a tool's run(), respond() is called on the
+        decode loop and must not wait); else the row is parked on its calls, which go to the sandbox pool
+        (or on the environment's reply), and the other rows keep decoding."""
         traj = row.traj
         # the row's task's tools
         tools = self.tools if row.req.tools is None else row.req.tools
@@ -642,9 +648,16 @@ class Engine:
         if responses:
             suffix = agent.tool_suffix_ids(self.tok, responses)
         else:
-            # no call: the environment's reply, as a user turn of the chat template (right after the
-            # model's <|im_end|>, as the tool turn is)
-            suffix = self.tok.encode(agent.user_turn_text(row.reply), add_special_tokens=False)
+            # no call: the environment's reply; one that came as a Future and is not done by the deadline
+            # ends the episode, as None does
+            reply = row.reply
+            if isinstance(reply, concurrent.futures.Future):
+                reply = reply.result() if reply.done() else None
+            if reply is None:
+                traj.finish = "stop"
+                return []
+            # as a user turn of the chat template (right after the model's <|im_end|>, as the tool turn is)
+            suffix = self.tok.encode(agent.user_turn_text(reply), add_special_tokens=False)
         row.calls = []
         self.log("tool_done", row)
         # stop before appending: a trajectory always ends on a model turn

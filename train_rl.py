@@ -105,7 +105,8 @@ tool_isolation = "auto"  # "auto" (bubblewrap) or "none": no sandbox at all, for
 tool_max_chars = 256
 # tool calls run per assistant turn; surplus ones are dropped (the release runs one)
 max_calls_per_turn = 1
-# seconds a call may take before it is answered "timeout"; 0: the sandbox's bound + 30 s
+# seconds a call may take before it is answered "timeout" (and an environment's reply before the episode
+# ends); 0: the sandbox's bound + 30 s
 tool_call_timeout = 0.0
 # optimisation
 lr = 1e-6  # AdamW learning rate (paper: 1e-6)

@@ -22,7 +22,8 @@ and may define
                    marked agent.Tool(stateful=True) run on it, grade() reads it, its close() runs when the
                    trajectory ends however it ends (tasks/gridworld.py is the worked example); with a
                    respond(turn_text) method it answers a turn without a tool call: its string is the next
-                   user turn, None ends the episode (tasks/guess.py: a referee)
+                   user turn, None ends the episode (tasks/guess.py: a referee); called on the decode loop,
+                   so a reply that takes time comes as a Future, bounded like a tool call
     vote(row, pred, trajectory)  what maj@k groups the sample by (a hashable key; None: no vote), made with
                    the grade; without it, the pred (tasks/code.py votes on the program, not its text)
 

@@ -8,6 +8,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -372,6 +374,39 @@ def test_without_respond_a_turn_without_a_call_ends_the_episode(tiny):
     [traj] = engine.run(iter_claim([Request(prompt, key=(0, 0, 0), meta={"problem": 0}, tools={},
                                             environment=functools.partial(Silent, GUESS_ROW))]), 200)
     assert (traj.finish, traj.turns, sum(traj.mask) == len(traj.response_ids)) == ("stop", 1, True)
+
+
+def test_a_reply_that_takes_time_is_bounded_like_a_call(tiny):
+    # respond() may return a Future (it is called on the decode loop, like a tool's run()): one answered later
+    # from another thread is appended as any reply; one that never completes ends its episode at the row's
+    # deadline (call_timeout), while the other row goes on
+    class Slow(GUESS.Referee):
+        def __init__(self, row, hang):
+            super().__init__(row)
+            self.hang = hang
+
+        def respond(self, turn_text):
+            reply = super().respond(turn_text)
+            future = concurrent.futures.Future()
+            if not self.hang:
+                threading.Timer(0.05, future.set_result, [reply]).start()
+            return future
+    model, tok = tiny
+    prompt = tok.encode(GUESS.prompt(GUESS_ROW), add_special_tokens=False)
+    scripts = {0: [guess(8), guess(12), guess(10), guess(11)], 1: [guess(8), guess(12)]}
+    reqs = [Request(prompt, key=(0, 0, s), meta={"problem": 0}, tools={},
+                    environment=functools.partial(Slow, GUESS_ROW, hang=s == 1)) for s in scripts]
+    engine = Scripted(model, tok, kv_capacity=4000, max_len=len(prompt) + 300, sandbox=NO_SANDBOX, max_turns=6,
+                      call_timeout=0.5, max_rows=2, page_size=4)
+    engine.scripts = {(0, 0, s): turns for s, turns in scripts.items()}
+    start = time.monotonic()
+    trajs = {t.key[2]: t for t in engine.run(iter_claim(reqs), 300)}
+    assert time.monotonic() - start < 10
+    assert [trajs[s].environment.guesses for s in (0, 1)] == [[8, 12, 10, 11], [8]]
+    assert [(trajs[s].finish, trajs[s].turns) for s in (0, 1)] == [("stop", 4), ("stop", 1)]
+    # the late replies are appended exactly as the same referee's immediate ones are
+    _, immediate = referee_run(tiny, {0: scripts[0]}, max_turns=6)
+    assert (trajs[0].response_ids, trajs[0].mask) == (immediate[0].response_ids, immediate[0].mask)
 
 
 def test_referee_rows_preempted_mid_game_ask_each_turn_once(tiny):
