@@ -32,6 +32,8 @@ end of this file and in the README's fidelity table.
 
 import json
 import re
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -127,7 +129,8 @@ class Tool:
     trajectory: tasks/gridworld.py), called as run(arguments, environment) with that object in place of the
     sandbox pool; its calls see and change that trajectory's state only, in the order the model made them."""
     schema: dict
-    run: object
+    # (arguments, the sandbox pool or the trajectory's environment) -> Future of a sandbox.Result
+    run: Callable[[object, object], Future]
     stateful: bool = False
 
 

@@ -73,15 +73,16 @@ _RELATION_RE = re.compile(
 )
 
 
-def prompt(row):
+def prompt(row: dict) -> str:
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
-def predict(turns):
+def predict(turns: list) -> str | None:
     return agent.extract_answer(turns)
 
 
-def grade(row, pred, turns, grader, trajectory):
+def grade(row: dict, pred: str | None, turns: list, grader: "grading.Grader",
+          trajectory: "rollout.Trajectory") -> tuple[float, bool]:
     score = reward(turns, row["answer"], grader)  # 1.0 or 0.0
     return score, score == 1.0
 
