@@ -189,6 +189,18 @@ class ToolCall:
     arguments: object  # the call's "arguments", as the model wrote them (run() checks them)
 
 
+@dataclass
+class CallRecord:
+    """One tool call of a trajectory as the engine answered it (rollout.Trajectory.tool_calls: what the
+    task's grade, the metrics and the dumps read)."""
+    tool: str  # the tool's name; "" when the call did not parse or named no tool of the table
+    arguments: object  # as the model wrote them; None when the call did not parse
+    # once answered: TOOL_STATUSES' status (or "invalid"), the text the model read, seconds it took
+    status: str = ""
+    output: str = ""
+    duration: float = 0.0
+
+
 def _parse_one_call(block, tools):
     # returns a ToolCall, or the text the release answers instead of running anything. The checks are the
     # ones its code makes, in its order, and the messages are those of the exceptions it would raise.
@@ -230,20 +242,19 @@ def parse_tool_calls(turn_text, max_calls=1, tools=PYTHON_TOOLS):
 
 
 def start_call(call, tools, sandbox, environment=None):
-    """One item of parse_tool_calls started: (its record, the Future of its Result), or (record, None) when
+    """One item of parse_tool_calls started: (its CallRecord, the Future of its Result), or (record, None) when
     it is answered at once (it did not parse, or its tool's run() raised): the record's output is then the
-    answer. A record: tool (its name, "" if unknown), arguments, and once answered status, output, duration.
-    environment: the trajectory's own (Tool's `stateful`), None when its task has none."""
+    answer. environment: the trajectory's own (Tool's `stateful`), None when its task has none."""
     if isinstance(call, str):
-        return {"tool": "", "arguments": None, "status": "invalid", "output": call,
-                "duration": 0.0}, None
-    rec = {"tool": call.name, "arguments": call.arguments}
+        return CallRecord("", None, "invalid", call), None
+    record = CallRecord(call.name, call.arguments)
     tool = tools[call.name]
     try:
-        return rec, tool.run(call.arguments, environment if tool.stateful else sandbox)
+        return record, tool.run(call.arguments, environment if tool.stateful else sandbox)
     except Exception as e:  # bad arguments: the release answers what the tool raised
-        rec.update(status="invalid", output=EXEC_ERROR + str(e), duration=0.0)
-        return rec, None
+        record.status = "invalid"
+        record.output = EXEC_ERROR + str(e)
+        return record, None
 
 
 def call_faults(records):
@@ -252,14 +263,13 @@ def call_faults(records):
     arguments as the call before it), else "". The first two are start_call's records without a tool."""
     faults = []
     previous = None
-    for rec in records:
-        call = (rec.get("tool"), rec.get("arguments"))
-        if not call[0] and rec.get("status") == "invalid":
-            faults.append("unknown_tool" if rec.get("output", "").startswith(EXEC_ERROR)
-                          else "unparsed")
+    for record in records:
+        call = (record.tool, record.arguments)
+        if not record.tool and record.status == "invalid":
+            faults.append("unknown_tool" if record.output.startswith(EXEC_ERROR) else "unparsed")
         else:
             faults.append("repeat" if call == previous else "")
-        previous = call if call[0] else None
+        previous = call if record.tool else None
     return faults
 
 

@@ -787,8 +787,9 @@ def synthetic_trajectories(rank, n, mean_tokens, seed=0):
     for i in range(n):
         p, r = 300, min(8192, max(16, int(rng.lognormvariate(mu, sigma))))
         mask = [int(rng.random() < 0.8) for _ in range(r)]
-        calls = [{"code": "x" * 200, "stdin": "", "status": rng.choice(["ok", "ok", "error"]),
-                  "output": "y" * 200, "duration": 0.01} for _ in range(rng.choice([2, 3]))]
+        calls = [agent.CallRecord(agent.TOOL_NAME, {"code": "x" * 200, "input": ""},
+                                  rng.choice(["ok", "ok", "error"]), "y" * 200, 0.01)
+                 for _ in range(rng.choice([2, 3]))]
         out.append(rollout.Trajectory(
             key=(0, (rank * n + i) // 32, (rank * n + i) % 32), prompt_ids=[rng.randrange(151936) for _ in range(p)],
             response_ids=[rng.randrange(151936) for _ in range(r)], mask=mask,

@@ -318,8 +318,8 @@ def task_traces(task, rows, rng, sandbox, timeout=60.0):
             # each call of an assistant turn runs as a rollout would run it; its answer goes to the next tool message
             for call in m.get("tool_calls") or []:
                 name, args = agent.read_tool_call(call, i)
-                rec, future = agent.start_call(agent.ToolCall(name, args), task.TOOLS, sandbox, world)
-                answers.append(rec["output"] if future is None else agent.tool_response_text(future.result(timeout)))
+                record, future = agent.start_call(agent.ToolCall(name, args), task.TOOLS, sandbox, world)
+                answers.append(record.output if future is None else agent.tool_response_text(future.result(timeout)))
             if m["role"] == "tool":
                 m["content"] = answers.pop(0)
             # a turn without calls goes to the environment's respond() as the engine gives it: the text after the

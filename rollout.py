@@ -75,7 +75,7 @@ class Trajectory:
     mask: list = field(default_factory=list)  # 1 on sampled tokens, 0 on tool responses and glue
     # sampling-time log-prob of each token (0 where mask 0)
     logprobs: list = field(default_factory=list)
-    # the call records (agent.start_call): tool, arguments, status, output, duration
+    # the agent.CallRecord of each call (agent.start_call): tool, arguments, status, output, duration
     tool_calls: list = field(default_factory=list)
     turns: int = 0
     finish: str = ""  # stop | length | max_turns
@@ -640,11 +640,12 @@ class Engine:
         for record, future in row.calls:
             if future is not None:
                 result = future.result() if future.done() else late
-                record.update(status=result.status, duration=result.duration,
-                              output=agent.tool_response_text(result, self.tool_max_chars))
+                record.status = result.status
+                record.duration = result.duration
+                record.output = agent.tool_response_text(result, self.tool_max_chars)
             traj.tool_calls.append(record)
         # the tool turn in the release's format, then `<|im_start|>assistant\n<reason>` for the next turn
-        responses = [record["output"] for record, _ in row.calls]
+        responses = [record.output for record, _ in row.calls]
         if responses:
             suffix = agent.tool_suffix_ids(self.tok, responses)
         else:

@@ -26,7 +26,7 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -122,8 +122,8 @@ def summarize(trajectory, grade):
     """The Summary of a trajectory, graded `grade` (a grading.Grade)."""
     calls = trajectory.tool_calls
     return Summary(trajectory.key, trajectory.meta["problem"], trajectory.turns, trajectory.finish,
-                   [call["status"] for call in calls],
-                   [call.get("tool", "") for call in calls],
+                   [call.status for call in calls],
+                   [call.tool for call in calls],
                    agent.call_faults(calls),
                    len(trajectory.prompt_ids), len(trajectory.response_ids), sum(trajectory.mask),
                    grade.reward, grade.correct, grade.n_answers, grade.pred, grade.vote)
@@ -249,7 +249,7 @@ def dump_line(trajectory, summary, tokenizer, row, prompt, **step_keys):
         "segments": agent.mask_runs(tokenizer, trajectory.response_ids, trajectory.mask),
         "response_ids": trajectory.response_ids,
         "mask": trajectory.mask,
-        "tool_calls": trajectory.tool_calls,
+        "tool_calls": [asdict(call) for call in trajectory.tool_calls],
         "finish": summary.finish,
         "turns": summary.turns,
         "reward": summary.reward,

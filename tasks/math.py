@@ -15,8 +15,8 @@ A task is one file like this one, named by the `task` key of train_rl.py and eva
                    correct what avg@k / pass@k / maj@k and the metrics count. It runs on grading.Grader's threads,
                    under its bounds; the grader offers what a grade may need: grader.run_in_helper (a function
                    in a helper process, killed when late), grader.refuses (the size bound), grader.sandbox (the
-                   sandbox pool); trajectory.tool_calls holds the call records (tool, arguments, status, output)
-                   and trajectory.environment the environment's final state.
+                   sandbox pool); trajectory.tool_calls holds the agent.CallRecord of each call (tool,
+                   arguments, status, output) and trajectory.environment the environment's final state.
 and may define
     environment(row)  one new object per trajectory, the state its tools share (a game, a session): the tools
                    marked agent.Tool(stateful=True) run on it, grade() reads it, its close() runs when the

@@ -41,7 +41,7 @@ READING_PATH = (
     # what every rank learns of it, a tool call and the sandbox's answer
     "rollout.py:Request", "rollout.py:Trajectory", "grading.py:Grade", "scheduler.py:Summary",
     "scheduler.py:Tokens",
-    "agent.py:ToolCall", "sandbox.py:Result",
+    "agent.py:ToolCall", "agent.py:CallRecord", "sandbox.py:Result",
     # the prompt and its rollouts, spread over the ranks
     "train_rl.py:prompt_at", "tasks/math.py:prompt", "agent.py:prompt_text", "scheduler.py:generate",
     "scheduler.py:make_claim", "rollout.py:Engine.run", "rollout.py:Pager.admit", "rollout.py:Engine.prefill",

@@ -193,8 +193,8 @@ class Submits:
 def started(call, tools=agent.PYTHON_TOOLS):
     """One parsed call through agent.start_call: (code, stdin) it ran, or the text it was answered with."""
     rec, run = agent.start_call(call, tools, Submits())
-    assert (run is None) == (rec.get("status") == "invalid")
-    return rec["output"] if run is None else run
+    assert (run is None) == (rec.status == "invalid")
+    return rec.output if run is None else run
 
 
 def answered(text, max_calls=1):
@@ -270,8 +270,8 @@ def test_surplus_calls_get_no_record():
                     sandbox=tools, max_calls_per_turn=1)
     (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 300)
     assert tools.calls == ["print(64)"]
-    assert [c["arguments"]["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0]["status"] == "ok"
-    assert t.tool_calls[0]["tool"] == agent.TOOL_NAME
+    assert [c.arguments["code"] for c in t.tool_calls] == ["print(64)"] and t.tool_calls[0].status == "ok"
+    assert t.tool_calls[0].tool == agent.TOOL_NAME
     assert tok.decode(t.response_ids).count("<tool_response>") == 1 and t.finish == "stop"
 
 
@@ -285,7 +285,7 @@ def test_call_faults_tell_unparsed_unknown_and_repeated_calls():
              '{"name": "x"', '{"name": "x"']  # a failed parse repeated is still a failed parse
     records = [agent.start_call(agent.parse_tool_calls(block(turn))[0], agent.PYTHON_TOOLS, Submits())[0] for turn in turns]
     assert agent.call_faults(records) == ["unparsed", "unknown_tool", "", "repeat", "", "unparsed", "unparsed"]
-    assert agent.call_faults([{"status": "ok"}, {"status": "ok"}]) == ["", ""]  # records without a tool: no repeat
+    assert agent.call_faults([agent.CallRecord("", None, "ok")] * 2) == ["", ""]  # records without a tool: no repeat
 
 
 def test_truncate():

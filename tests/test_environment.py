@@ -131,18 +131,17 @@ def test_each_sample_walks_its_own_grid_through_preemption_and_a_hung_call(tiny)
         assert world.asked == [json.loads(t.split("\n")[2])["arguments"]["direction"] for t in script if "move" in t]
         assert traj.finish == "stop" and traj.turns == len(script)
         # the same records and tokens as the engine that never preempted
-        assert [(c["tool"], c["status"], c["output"]) for c in traj.tool_calls] == \
-            [(c["tool"], c["status"], c["output"]) for c in roomy[sample].tool_calls]
+        assert traj.tool_calls == roomy[sample].tool_calls
         assert traj.response_ids == roomy[sample].response_ids
     # what the environment answered is what the model read, after its own earlier moves
-    outputs = [c["output"] for c in trajs[1].tool_calls]
+    outputs = [c.output for c in trajs[1].tool_calls]
     assert outputs[0].startswith("Tool call success\nstdout: blocked, still at (0, 0)")
     assert outputs[-1].startswith("Tool call success\nstdout: at (2, 0): the goal, after 5 moves")
-    assert trajs[2].tool_calls[-1]["status"] == "error"  # "north": a failed call
+    assert trajs[2].tool_calls[-1].status == "error"  # "north": a failed call
     # the call that never answered: "timeout" after call_timeout, a failed call; the walk went on after it
     hung = trajs[3].tool_calls[1]
-    assert (hung["tool"], hung["status"]) == ("wait", "timeout") and "worker_timeout" in hung["output"]
-    assert agent.n_failed([c["status"] for c in trajs[3].tool_calls]) == 1
+    assert (hung.tool, hung.status) == ("wait", "timeout") and "worker_timeout" in hung.output
+    assert agent.n_failed([c.status for c in trajs[3].tool_calls]) == 1
     # the reward reads each environment's final state (and the call records), through the grader's thread pool
     grader = grading.Grader(engine.tok, task=GRID, rows=[ROW])
     for traj in trajs.values():
@@ -213,7 +212,7 @@ def test_stateless_tools_see_the_sandbox_and_no_environment():
     rec, future = agent.start_call(agent.ToolCall("move", {"direction": "up"}), GRID.TOOLS, "pool", world)
     assert seen == ["pool"] and future.result().stdout == "at (0, 1)\n" and world.position == (0, 1)
     rec, future = agent.start_call(agent.ToolCall("move", "up"), GRID.TOOLS, "pool", world)  # not an object
-    assert future is None and rec["status"] == "invalid" and world.moves == 1
+    assert future is None and rec.status == "invalid" and world.moves == 1
 
 
 def test_grid_traces_come_from_the_real_environment():

@@ -104,7 +104,7 @@ def test_evaluate_groups_maj_at_k_by_the_tasks_vote(monkeypatch):
 def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
     text = "<reason>r</reason>" + ("" if answer is None else f"<answer>\\boxed{{{answer}}}</answer>")
     t = Trajectory(key=(0, problem, sample), prompt_ids=[1, 2], response_ids=[5] * length,
-                   mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[{"status": s} for s in statuses],
+                   mask=[1] * model_tokens + [0] * (length - model_tokens), tool_calls=[agent.CallRecord("", None, s) for s in statuses],
                    turns=turns, finish=finish, meta={"answer": gold, "problem": problem})
     reward = math_task.reward(text, gold)
     pred = agent.extract_answer(text)

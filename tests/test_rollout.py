@@ -141,9 +141,9 @@ def test_other_rows_decode_while_a_row_waits_for_its_tool(tiny):
     assert sorted(tools.calls) == ["print(11)", "print(22)", "print(33)"]  # each call dispatched once
     for t, v in zip(trajs, ("11", "22", "33")):
         assert t.finish == "stop" and t.turns == 2 and len(t.tool_calls) == 1
-        assert t.tool_calls[0]["status"] == "ok" and t.tool_calls[0]["output"].startswith(f"Tool call success\nstdout: {v}\n")
+        assert t.tool_calls[0].status == "ok" and t.tool_calls[0].output.startswith(f"Tool call success\nstdout: {v}\n")
         text = tok.decode(t.response_ids)
-        assert text.count("<tool_response>") == 1 and f"<tool_response>\n{t.tool_calls[0]['output']}\n</tool_response>" in text
+        assert text.count("<tool_response>") == 1 and f"<tool_response>\n{t.tool_calls[0].output}\n</tool_response>" in text
         assert agent.extract_answer(text) == v
         # the loss mask is 1 exactly on the scripted (sampled) tokens
         assert [i for i, m in zip(t.response_ids, t.mask) if m] == scripts[tuple(t.prompt_ids)]
@@ -306,7 +306,7 @@ def test_preempted_rows_continue_token_for_token(tiny, temperature, with_tools):
         b = results["small"][key]
         assert (a.response_ids, a.mask, a.finish, a.turns) == (b.response_ids, b.mask, b.finish, b.turns)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-        assert [c["output"] for c in a.tool_calls] == [c["output"] for c in b.tool_calls]
+        assert [c.output for c in a.tool_calls] == [c.output for c in b.tool_calls]
         assert a.turns == (3 if with_tools else 1) and a.finish == "stop"
     if temperature == 1.0:  # the samples of a prompt really were sampled
         assert any(results["large"][(1, p, 0)].response_ids != results["large"][(1, p, 1)].response_ids

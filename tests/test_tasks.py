@@ -115,15 +115,15 @@ def test_calculator_tool_runs_by_name_in_the_engine_and_counts_in_p_err():
     engine = Engine(Script({tuple(prompt): script}, len(tok)), tok, kv_capacity=2000, max_len=2000, temperature=0.0,
                     sandbox=tools, tools=CALC.TOOLS)
     (t,) = engine.run(iter_claim([Request(prompt, key=(0, 0, 0))]), 1500)
-    assert [(c["tool"], c["status"]) for c in t.tool_calls] == [
+    assert [(c.tool, c.status) for c in t.tool_calls] == [
         ("calculate", "error"), ("calculate", "ok"), (agent.TOOL_NAME, "ok"), ("", "invalid"), ("calculate", "invalid")]
-    assert t.tool_calls[1]["output"] == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
-    assert t.tool_calls[0]["output"].startswith("Tool call failure\nreason: \nstderr: SyntaxError")
-    assert t.tool_calls[3]["output"] == "Error when executing tool: 'bash'"  # not in the table: the release's text
-    assert t.tool_calls[4]["output"] == "Error when executing tool: 'expression'"  # its run() raised KeyError
+    assert t.tool_calls[1].output == "Tool call success\nstdout: 42\n\nexecution time: 0.01s"
+    assert t.tool_calls[0].output.startswith("Tool call failure\nreason: \nstderr: SyntaxError")
+    assert t.tool_calls[3].output == "Error when executing tool: 'bash'"  # not in the table: the release's text
+    assert t.tool_calls[4].output == "Error when executing tool: 'expression'"  # its run() raised KeyError
     assert tools.calls == ["print(42)"]  # only the Python call reached the sandbox
     # p_err counts every tool's failures: 3 of 5 calls failed
-    failed = sum(c["status"] in agent.TOOL_ERRORS for c in t.tool_calls)
+    failed = sum(c.status in agent.TOOL_ERRORS for c in t.tool_calls)
     assert grpo_roc.penalty(len(t.tool_calls), failed, 1, t.turns) == pytest.approx(3 / 5)
 
 
