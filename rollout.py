@@ -706,8 +706,8 @@ def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
 
 
 def iter_claim(reqs):
-    """A claim function over a local sequence of requests (single process), taken in order; a sequence that
-    makes its items on demand (scheduler.Lazy) makes each only when claimed."""
+    """A claim function over a local sequence (or any iterable) of requests, taken in order; a sequence that
+    makes its items on demand (scheduler.Lazy), or a generator, makes each only when claimed."""
     # a sequence iterates by index: scheduler.Lazy makes item i when it is reached
     remaining = iter(reqs)
     return lambda n: list(itertools.islice(remaining, n))

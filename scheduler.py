@@ -47,9 +47,8 @@ def make_claim(requests, mode, counter):
     rank = dist.get_rank()
     world = dist.get_world_size()
     if mode == "static":
-        # a Lazy view: the requests are still made only when claimed
-        return iter_claim(Lazy(len(range(rank, len(requests), world)),
-                               lambda j: requests[rank + j * world]))
+        # a generator: the requests are still made only when claimed
+        return iter_claim(requests[index] for index in range(rank, len(requests), world))
     assert mode == "dynamic", f"unknown rollout_split {mode!r} (dynamic | static)"
     store = dist.distributed_c10d._get_default_store()
     counter = f"rollout_claim/{counter}"
