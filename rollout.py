@@ -547,25 +547,25 @@ class Engine:
         logits = torch.stack([row.logits for row in rows])  # (B, V)
         for row in rows:
             row.logits = None
-        # greedy
+        # greedy: the most likely token, and its log-prob under the unscaled logits
         if temperature == 0:
-            tokens = logits.argmax(-1)
-            return (tokens.tolist(),
-                    torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0].tolist())
-        logprobs = torch.log_softmax(logits / temperature, -1)  # (B, V)
-        probs = logprobs.exp()
-        # top-p: keep the smallest set of tokens whose mass reaches top_p
-        if self.top_p < 1.0:
-            sorted_probs, sorted_ids = probs.sort(-1, descending=True)
-            sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
-            probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs)
-        # inverse-CDF sampling: one uniform draw per row, from the row's own generator
-        cdf = probs.cumsum(-1)
-        uniform = torch.cat([torch.rand(1, generator=row.gen, device=self.device)
-                             for row in rows])  # (B,)
-        tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])  # (B, 1)
-        # a draw past the last cumulative value (rounding) takes the last token
-        tokens.clamp_(max=probs.shape[-1] - 1)
+            logprobs = torch.log_softmax(logits, -1)
+            tokens = logits.argmax(-1, keepdim=True)  # (B, 1)
+        else:
+            logprobs = torch.log_softmax(logits / temperature, -1)  # (B, V)
+            probs = logprobs.exp()
+            # top-p: keep the smallest set of tokens whose mass reaches top_p
+            if self.top_p < 1.0:
+                sorted_probs, sorted_ids = probs.sort(-1, descending=True)
+                sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
+                probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs)
+            # inverse-CDF sampling: one uniform draw per row, from the row's own generator
+            cdf = probs.cumsum(-1)
+            uniform = torch.cat([torch.rand(1, generator=row.gen, device=self.device)
+                                 for row in rows])  # (B,)
+            tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])  # (B, 1)
+            # a draw past the last cumulative value (rounding) takes the last token
+            tokens.clamp_(max=probs.shape[-1] - 1)
         return tokens[:, 0].tolist(), logprobs.gather(1, tokens)[:, 0].tolist()
 
     def decode(self, rows):
