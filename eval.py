@@ -70,7 +70,8 @@ from tqdm import tqdm
 import agent
 import grading
 from rollout import Request
-from scheduler import Lazy, dump_line, gather, generate, join_parts, rollout_metrics, summarize
+from scheduler import (Lazy, dump_line, gather_summaries, generate, join_parts, rollout_metrics,
+                       summarize)
 
 
 # -----------------------------------------------------------------------------
@@ -212,8 +213,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
-    summaries = sorted((summary for part in gather(mine) for summary in part),
-                       key=lambda summary: summary.key)
+    summaries = gather_summaries(mine)
     groups = [summaries[i * samples:(i + 1) * samples] for i in range(len(problems))]
     summary, per_problem = metrics(groups)
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]

@@ -180,11 +180,9 @@ def gather(obj):
     return out
 
 
-def gather_summaries(trajectories, grades):
-    """The Summary of every trajectory of every rank, ordered by key, on every rank (grades: {key: grade} of
-    this rank's trajectories)."""
-    # this rank's summaries, then every rank's
-    mine = [summarize(trajectory, grades[trajectory.key]) for trajectory in trajectories]
+def gather_summaries(mine):
+    """The Summary of every trajectory of every rank, ordered by key, on every rank (mine: this rank's
+    summaries, scheduler.summarize's)."""
     return sorted((summary for part in gather(mine) for summary in part),
                   key=lambda summary: summary.key)
 

@@ -52,7 +52,7 @@ from model import collate, full_value, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
 from scheduler import (dump_line, exchange, gather_summaries, generate, join_parts, rollout_metrics,
-                       task_metrics)
+                       summarize, task_metrics)
 
 
 # -----------------------------------------------------------------------------
@@ -367,7 +367,8 @@ while step < steps:
     # needs of every trajectory (grades, turns, tool statuses, lengths), while the tokens stay where they are
     grades = grader.results()
     t_grade = time.perf_counter() - step_start - t_rollout
-    summaries = gather_summaries(mine, grades)
+    summaries = gather_summaries([summarize(trajectory, grades[trajectory.key])
+                                  for trajectory in mine])
     t_gather = time.perf_counter() - step_start - t_rollout - t_grade
 
     # 2. GRPO-RoC: drop uniform groups, resample 2G -> G, advantages over the kept G

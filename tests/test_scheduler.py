@@ -14,7 +14,7 @@ import data
 import grading
 from model import load_model
 from rollout import Engine, Request
-from scheduler import gather_summaries, generate
+from scheduler import gather_summaries, generate, summarize
 
 N_REQUESTS, BUDGET, SLOW = 24, 12, 0.03
 
@@ -54,7 +54,7 @@ def worker(rank, path, init_file, results):
         dist.barrier()
         t = time.perf_counter() - t0
         # each rank keeps what it generated; every rank learns a summary of everything
-        out[mode] = (t, len(mine), [(s.key, s.n_response) for s in gather_summaries(mine, {x.key: grading.Grade() for x in mine})],
+        out[mode] = (t, len(mine), [(s.key, s.n_response) for s in gather_summaries([summarize(x, grading.Grade()) for x in mine])],
                      [(x.key, x.response_ids) for x in mine])
     results[rank] = out
     dist.destroy_process_group()
