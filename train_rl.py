@@ -194,10 +194,10 @@ prompt_ids = [
 task_names = sorted({grading.row_task(p, task_module).__name__ for p in problems})
 tool_names = list(dict.fromkeys(name for problem in problems
                                 for name in grading.row_task(problem, task_module).TOOLS))
-too_long = sum(len(p) > max_prompt_tokens for p in prompt_ids)
-print0(f"{len(problems)} problems from {data_path}; "
-       f"{too_long} longer than {max_prompt_tokens} tokens are skipped")
+# the prompts that fit, with their data row's index: the longer ones are skipped
 data = [(i, p) for i, p in enumerate(prompt_ids) if len(p) <= max_prompt_tokens]
+print0(f"{len(problems)} problems from {data_path}; "
+       f"{len(problems) - len(data)} longer than {max_prompt_tokens} tokens are skipped")
 if not data:
     raise SystemExit(f"config error: every prompt of {data_path} is longer than "
                      f"max_prompt_tokens = {max_prompt_tokens} (the shortest has "
