@@ -467,12 +467,13 @@ while step < steps:
         # micro-batch loop: forward, loss and backward per micro-batch; gradients add up over the mini-batch
         for micros, old_logprobs, n_tokens in minis:
             for micro_index, micro in enumerate(micros):
-                # the output layer only where the loss reads: the sampled tokens (log-probs 0 elsewhere)
+                # the tokens the policy sampled: the loss reads these only
+                mask = micro["mask"].bool()
+                # the output layer only where the loss reads (log-probs 0 elsewhere)
                 logprobs, entropy = token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"],
-                                                   with_entropy=True, where=micro["mask"].bool())
+                                                   with_entropy=True, where=mask)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_index]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
-                mask = micro["mask"].bool()
                 engine_logprobs = micro["engine_logprobs"].float()
                 gap = grpo_roc.mismatch(old, engine_logprobs, mask)
                 mismatch_max = torch.maximum(mismatch_max, gap.pop("max"))
