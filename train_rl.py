@@ -302,18 +302,21 @@ def micro_batch(kept, indices, advantages, tokens):
     return collate(seqs, device, packed)
 
 
-def dump_step(step, mine, summaries):
+def dump_step(step, mine, groups):
     """Every trajectory of the step as gzip JSONL: what a person reads (view.py) to see what the policy wrote,
     what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
-    parts to one file, in rank order: readers sort by (group, sample)."""
+    parts to one file, in rank order: readers sort by (group, sample). groups: the step's summaries, one list
+    per group in sample order (the step loop's)."""
     path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    by_key, prompts = {summary.key: summary for summary in summaries}, {}
+    prompts = {}
     # level 9, the default, is 12x slower for 10% less
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:
         for trajectory in mine:
-            summary, group = by_key[trajectory.key], trajectory.key[1]
-            kind = grpo_roc.group_kind(summaries[group * n_sample:(group + 1) * n_sample])
+            # the key is (step, group, sample): where its summary sits
+            _, group, sample = trajectory.key
+            summary = groups[group][sample]
+            kind = grpo_roc.group_kind(groups[group])
             if summary.problem not in prompts:  # a group's samples share their prompt: decoded once
                 prompts[summary.problem] = tokenizer.decode(trajectory.prompt_ids)
             f.write(dump_line(trajectory, summary, tokenizer, problems[summary.problem],
@@ -576,7 +579,7 @@ while step < steps:
 
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):
-        dump_step(step, mine, summaries)
+        dump_step(step, mine, groups)
     if step % save_every == 0 or step == steps:
         # the Hugging Face copy beside the shards: at the last step and every save_hf_every-th save
         with_hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
