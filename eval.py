@@ -129,6 +129,11 @@ def metrics(groups):
             "truncated": sum(summary.finish == "length" for summary in group),
         })
     accuracies = [row["accuracy"] for row in per_problem]
+    # pass@j for j = 1, 2, 4, ... below k, and k itself
+    passes = {f"pass@{attempts}": statistics.fmean(pass_at_k(k, row["correct"], attempts)
+                                                   for row in per_problem)
+              for attempts in sorted({2 ** power for power in range(k.bit_length())
+                                      if 2 ** power < k} | {k})}
     summary = {
         "problems": len(groups),
         "samples": k,
@@ -137,12 +142,9 @@ def metrics(groups):
         "reward": statistics.fmean(summary.reward for summary in summaries),
         "avg@k_se": statistics.stdev(accuracies) / math.sqrt(len(accuracies))
                     if len(accuracies) > 1 else 0.0,
-        # pass@j for j = 1, 2, 4, ... below k, and k itself
-        **{f"pass@{attempts}": statistics.fmean(pass_at_k(k, row["correct"], attempts)
-                                                for row in per_problem)
-           for attempts in sorted({2 ** power for power in range(k.bit_length()) if 2 ** power < k}
-                                  | {k})},
-        "pass@k": statistics.fmean(pass_at_k(k, row["correct"], k) for row in per_problem),
+        **passes,
+        # pass@k under its own name too (the same number as pass@<k>)
+        "pass@k": passes[f"pass@{k}"],
         "maj@k": statistics.fmean(row["maj_correct"] for row in per_problem),
         # rollout/ and tool/: training's metrics of the same name (length, endings, turns, tool calls and failures)
         **rollout_metrics(summaries),
