@@ -190,8 +190,9 @@ prompt_ids = [
                                 add_special_tokens=False),
                np.int32)
     for problem in problems]
-# the run's tasks by name (tasks/math.py: "math"), and every tool they offer (the metrics count calls per tool)
-task_names = sorted({grading.row_task(p, task_module).__name__ for p in problems})
+# each problem's task by name (tasks/math.py: "math"), and every tool the tasks offer (the metrics count calls
+# per tool)
+task_names = [grading.row_task(p, task_module).__name__ for p in problems]
 tool_names = list(dict.fromkeys(name for problem in problems
                                 for name in grading.row_task(problem, task_module).TOOLS))
 # the prompts that fit, with their data row's index: the longer ones are skipped
@@ -530,10 +531,8 @@ while step < steps:
         # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
         **rollout_metrics(summaries, tool_names),
         # with more than one task in the run: reward, correct share and tool errors per task too (task/<name>/...)
-        **(task_metrics(summaries,
-                        lambda summary: grading.row_task(problems[summary.problem],
-                                                         task_module).__name__)
-           if len(task_names) > 1 else {}),
+        **(task_metrics(summaries, lambda summary: task_names[summary.problem])
+           if len(set(task_names)) > 1 else {}),
         "rollout/tok_per_s": sum(summary.n_response for summary in summaries) / t_rollout,
         "rollout/generated_here": len(mine),
         # this rank's engine: rows it evicted when pages ran out, and the tokens it prefilled again for them
