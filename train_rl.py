@@ -259,9 +259,11 @@ if start:
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
-if not start and not data_restart and os.path.isfile(os.path.join(model_path, "trainer_state.pt")):
+# model_path's trainer state, when it is a checkpoint of an earlier stage
+prev_state = os.path.join(model_path, "trainer_state.pt")
+if not start and not data_restart and os.path.isfile(prev_state):
     # a later stage goes on where the previous one stopped instead of replaying its first prompts
-    prev = torch.load(os.path.join(model_path, "trainer_state.pt"), weights_only=False)
+    prev = torch.load(prev_state, weights_only=False)
     if prev.get("data_path") == data_path:
         cursor = prev["cursor"]
         print0(f"data stream continued from {model_path} at prompt {cursor}")
