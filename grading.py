@@ -214,9 +214,8 @@ class Grader:
             reward, correct = task.grade(row, pred, turns, self, trajectory)
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
-        n_answers = count_answers(turns)
         vote = getattr(task, "vote", None)
-        return Grade(float(reward), bool(correct), n_answers, pred,
+        return Grade(float(reward), bool(correct), count_answers(turns), pred,
                      vote(row, pred, trajectory) if vote else pred)
 
     def refuses(self, text):
