@@ -619,7 +619,7 @@ async def fresh_run(code, sem, timeout, memory):
             with open(path, "w") as f:
                 f.write(FRESH_PRELUDE.format(cpu=math.ceil(timeout), mem=memory + (128 << 20)) + code)
             p = await asyncio.create_subprocess_exec(sys.executable, path, cwd=d, stdout=subprocess.PIPE,
-                                                     stderr=subprocess.PIPE, env=sandbox._worker_env(),
+                                                     stderr=subprocess.PIPE, env=sandbox.WORKER_ENV,
                                                      start_new_session=True)
             try:
                 out, _ = await asyncio.wait_for(p.communicate(), timeout + 1)

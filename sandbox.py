@@ -289,8 +289,8 @@ class SandboxPool:
         self.close()
 
     async def __aenter__(self):
-        await asyncio.to_thread(self.start)  # warming takes seconds: keep the event loop free
-        return self
+        # start() returns the pool; warming takes seconds: keep the event loop free
+        return await asyncio.to_thread(self.start)
 
     async def __aexit__(self, *exc):
         await asyncio.to_thread(self.close)
@@ -410,7 +410,9 @@ class SandboxPool:
         try:
             with open("/proc/self/cgroup") as f:
                 own = dict(line.rstrip("\n").split(":", 2)[1:] for line in f)
-            name = f"nano-rstar2-sandbox-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
+            # named by this process's pid namespace and pid: a later pool of the namespace knows a dead one's
+            pid_ns = os.stat("/proc/self/ns/pid").st_ino
+            name = f"nano-rstar2-sandbox-{pid_ns}-{os.getpid()}-{id(self)}-{len(self._cgroups)}"
             cgroup = _new_cgroup("/sys/fs/cgroup", own, name, self.memory + CGROUP_SLACK, self._cgroups)
         except (OSError, KeyError) as e:
             # e.g. no v1 memory or pids hierarchy, or not writable here
@@ -431,7 +433,7 @@ class SandboxPool:
             wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
         argv = wrapper + [sandbox_worker.python(), "-I", WORKER, json.dumps(cfg)]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=_worker_env(), pass_fds=fds)
+                                stderr=subprocess.PIPE, env=WORKER_ENV, pass_fds=fds)
         for fd in fds:
             os.close(fd)
         proc.buf = bytearray()
@@ -491,6 +493,11 @@ def _new_cgroup(root, own, name, memory, made):
         # the whole call is killed at its cap (v1 kills one process; the worker's eventfd then ends the rest)
         limits = {"memory.max": memory, "memory.swap.max": 0, "memory.oom.group": 1}
     for d in dirs:
+        # the groups a pool of this pid namespace left when it was killed before its close(): its pid is gone
+        for stale in pathlib.Path(d).parent.glob(name.rsplit("-", 3)[0] + "-*"):
+            if not os.path.exists(f"/proc/{stale.name.rsplit('-', 3)[1]}"):
+                with contextlib.suppress(OSError):  # (rmdir refuses a group that holds a process)
+                    stale.rmdir()
         os.mkdir(d)
         made.append(d)
     pathlib.Path(f"{dirs[-1]}/pids.max").write_text(str(sandbox_worker.NPROC))
@@ -595,11 +602,10 @@ def _wrapper(mode, view):
             "--remount-ro", "/", "--chdir", "/", "--"]
 
 
-def _worker_env():
-    # a fresh environment: nothing of the trainer's (tokens, keys, paths) reaches the workers
-    return {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
+# the workers' environment, fresh: nothing of the trainer's (tokens, keys, paths) reaches them
+WORKER_ENV = {"PATH": os.path.dirname(sandbox_worker.python()) + ":/usr/local/bin:/usr/bin:/bin",
+              "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": "/tmp", "OPENBLAS_NUM_THREADS": "1",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
 
 def write_all(fd, data, deadline):

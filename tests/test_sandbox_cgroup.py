@@ -110,6 +110,25 @@ def fake_v2_tree(tmp_path, monkeypatch, swap, offered="cpu memory pids", procs=(
     return kernel, job
 
 
+def test_the_groups_a_killed_pool_left_are_removed_by_the_next(tmp_path, monkeypatch):
+    # a pool killed before its close() leaves its groups behind; the next pool of the same pid namespace removes
+    # those whose pid is gone, and leaves a live pool's, another namespace's and any other group alone
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    dead = 2 ** 22 + 1  # above the largest pid_max: no process has it
+    kept = {f"nano-rstar2-sandbox-{ns}-{dead}-7-0": False, f"nano-rstar2-sandbox-{ns}-{os.getpid()}-7-0": True,
+            f"nano-rstar2-sandbox-{ns + 1}-{dead}-7-0": True, "other": True}
+    for controller in ("memory", "pids"):
+        for name in kept:
+            (tmp_path / controller / "job" / name).mkdir(parents=True)
+    FakeKernel(tmp_path, 1, False, monkeypatch)
+    own = {"memory": "/job", "pids": "/job"}
+    new = f"nano-rstar2-sandbox-{ns}-{os.getpid()}-8-0"
+    sandbox._new_cgroup(str(tmp_path), own, new, 300 << 20, [])
+    for controller in ("memory", "pids"):
+        left = {path.name for path in (tmp_path / controller / "job").iterdir() if path.is_dir()}
+        assert left == {name for name, keep in kept.items() if keep} | {new}
+
+
 @pytest.mark.parametrize("swap", [True, False])
 def test_fake_v1_tree_gets_memory_and_pids_groups(tmp_path, monkeypatch, swap):
     for controller in ("memory", "pids"):
