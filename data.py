@@ -330,7 +330,8 @@ def task_traces(task, rows, rng, sandbox, timeout=60.0):
                 if (reply is None) == goes_on:
                     raise ValueError(f"message {i}: the trace {'goes on' if goes_on else 'ends'} where "
                                      f"the environment {'ended the episode' if goes_on else 'answered'}")
-                if goes_on:
+                # (a next message of another role is left for train_sft's checks to refuse)
+                if goes_on and messages[i + 1]["role"] == "user":
                     messages[i + 1]["content"] = reply
         if world is not None:
             world.close()
