@@ -196,8 +196,9 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
     positives: the k_pos lowest penalties (stable sort); negatives: the first k_neg in rollout order
     (after the release's PR #50, which removed a sort). For odd G the sizes can sum to G +- 1 (G = 7,
     7 + 7 gives 4 + 4): the release fails an assert there, and so do we. Its "keep the whole group if
-    both sides are under their minimum" branch cannot happen once min_pos + min_neg <= G (required), and
-    whenever the sizes sum to G neither side asks for more than it has (checked for every split, G <= 40).
+    both sides are under their minimum" branch cannot happen once min_pos + min_neg <= G (required); neither
+    can a side asking for more than it has once the sizes sum to G (checked for every split up to G = 40),
+    which the check below still refuses.
     """
     if min_pos < 0 or min_neg < 0 or min_pos + min_neg > G:
         raise ValueError(f"need 0 <= min_pos, min_neg and min_pos + min_neg <= G, "
@@ -213,7 +214,7 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
     if k_pos <= min(min_pos, n_pos):
         k_pos = min(min_pos, n_pos)
         k_neg = G - k_pos
-    if k_pos + k_neg != G:
+    if k_pos + k_neg != G or k_pos > n_pos or k_neg > n_neg:
         raise ValueError(
             f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
             f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")

@@ -224,10 +224,11 @@ class Pager:
         return min(free, max(self.headroom(rows) // per_claim, 0 if rows else 1))
 
     def reserved(self, row, share):
-        """Tokens promised to a row: its prompt + `share` of its budget, or what it holds beyond that. A share
-        is at most 1 (reserve is checked in [0, 1], auto's is at most 1/2): never more than the budget."""
+        """Tokens promised to a row: its prompt + `share` of its budget (never more than the budget), or what
+        it holds beyond that."""
         # the response part: the promised share, or the response so far when it is longer
-        response = max(math.ceil(share * row.budget), len(row.traj.response_ids))
+        promised = min(math.ceil(share * row.budget), row.budget)
+        response = max(promised, len(row.traj.response_ids))
         return len(row.traj.prompt_ids) + response
 
     def headroom(self, rows):
