@@ -83,9 +83,9 @@ END = "<|im_end|>"  # the policy samples this itself at the end of every turn
 
 # -----------------------------------------------------------------------------
 # the tool seam: a table of tools, name -> Tool. The prompt lists their schemas, the parser accepts their
-# names, the engine runs a call with its tool's run(), and every tool answers with a sandbox Result.
+# names, the engine runs a call with its tool's run(), and every tool answers with a ToolResult.
 
-# The status of a tool call: the contract every tool meets (its Result's status), plus "invalid" for a call
+# The status of a tool call: the contract every tool meets (its ToolResult's status), plus "invalid" for a call
 # that never ran. p_err (grpo_roc.penalty) and every tool-error metric count the failures, TOOL_ERRORS.
 # Who answers which: the tool itself (the sandbox: sandbox_worker._call for ok / error / timeout / memory /
 # crash, sandbox.SandboxPool._serve for a worker that died (crash) and _overloaded for a long queue);
@@ -116,12 +116,28 @@ def failed_share(statuses):
 
 
 @dataclass
+class ToolResult:
+    """What one tool call answered: what tool_response_text words for the model. A tool that runs in the
+    trainer (tasks/calculator.py, tasks/gridworld.py) answers with one of these, e.g. ToolResult("ok", text)
+    or ToolResult("error", "", why). The Python tool answers with the sandbox's own sandbox.Result, which
+    has these fields in this order (sandbox.py is a library that imports nothing of ours; tests/test_agent.py
+    checks the two agree), so its answer goes to the model as it is."""
+    status: str  # one of TOOL_STATUSES
+    stdout: str
+    stderr: str = ""
+    # the repr of a trailing expression (the Python tool prints it after stdout), else ""
+    value: str = ""
+    # seconds the call ran (the text shows it only for a timeout: see tool_response_text)
+    duration: float = 0.0
+
+
+@dataclass
 class Tool:
     """One tool: `schema`, the OpenAI-format function schema the prompt lists (its function.name is the name
     the model calls it by), and `run(arguments, sandbox)`: the call's "arguments" object and the sandbox pool
-    in, a concurrent.futures.Future of a sandbox.Result (status from TOOL_STATUSES, stdout, stderr, value,
-    duration) out. A run that raises (bad arguments) is answered EXEC_ERROR + the exception's text, as the
-    release answers a tool that raises, and counts as "invalid". run() is called on the decode loop: start
+    in, a concurrent.futures.Future of a ToolResult (status from TOOL_STATUSES, stdout, stderr, value,
+    duration; the Python tool's is the sandbox's Result, of the same fields) out. A run that raises (bad
+    arguments) is answered EXEC_ERROR + the exception's text, as the release answers a tool that raises, and counts as "invalid". run() is called on the decode loop: start
     the work and return, never wait on it (a Future still not done after the engine's call_timeout is
     answered "timeout").
 
@@ -129,7 +145,7 @@ class Tool:
     trajectory: tasks/gridworld.py), called as run(arguments, environment) with that object in place of the
     sandbox pool; its calls see and change that trajectory's state only, in the order the model made them."""
     schema: dict
-    # (arguments, the sandbox pool or the trajectory's environment) -> Future of a sandbox.Result
+    # (arguments, the sandbox pool or the trajectory's environment) -> Future of a ToolResult
     run: Callable[[object, object], Future]
     stateful: bool = False
 
@@ -242,7 +258,7 @@ def parse_tool_calls(turn_text, max_calls=1, tools=PYTHON_TOOLS):
 
 
 def start_call(call, tools, sandbox, environment=None):
-    """One item of parse_tool_calls started: (its CallRecord, the Future of its Result), or (record, None) when
+    """One item of parse_tool_calls started: (its CallRecord, the Future of its ToolResult), or (record, None) when
     it is answered at once (it did not parse, or its tool's run() raised): the record's output is then the
     answer. environment: the trajectory's own (Tool's `stateful`), None when its task has none."""
     if isinstance(call, str):
@@ -293,9 +309,9 @@ def _without_notes(stderr):
 
 def tool_response_text(result, max_chars=256):
     """
-    The text the model sees for one sandbox result (duck-typed: .status, .stdout, .stderr, .value,
-    .duration), worded as the release's client words code-judge's report of the same run (the mapping
-    is in the module docstring), then cut to max_chars.
+    The text the model sees for one ToolResult (or the sandbox's Result, of the same fields), worded as
+    the release's client words code-judge's report of the same run (the mapping is in the module
+    docstring), then cut to max_chars.
     """
     status = result.status
     if status == "overloaded":

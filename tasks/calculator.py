@@ -6,7 +6,7 @@ tool's name, so metrics and p_err see both.
 
 The tool runs here, in the trainer, not in the sandbox: it parses the expression (Python's ast) and
 evaluates integers with + - * // % and parentheses only, up to MAX_CHARS characters (nothing else
-runs, so it cannot hang or reach anything). It answers like every tool, with a sandbox Result: "ok" and
+runs, so it cannot hang or reach anything). It answers like every tool, with an agent.ToolResult: "ok" and
 the value as stdout, or "error" and the reason as stderr (which counts as a failed call in p_err).
 
 Teaching the tiny model to call it: `python data.py traces --task=tasks/calculator.py` writes SFT traces from
@@ -17,7 +17,6 @@ import concurrent.futures
 import operator
 
 import agent
-from sandbox import Result
 from tasks.math import COLUMNS, grade, predict  # noqa: F401  (the same rows, answers and reward)
 
 CALCULATOR_SCHEMA = {
@@ -57,9 +56,9 @@ def run_calculator(args, sandbox):
     try:
         if len(expression) > MAX_CHARS:
             raise ValueError(f"the expression is longer than {MAX_CHARS} characters")
-        result = Result("ok", f"{evaluate(ast.parse(expression.strip(), mode='eval').body)}\n", "", "", 0.0)
+        result = agent.ToolResult("ok", f"{evaluate(ast.parse(expression.strip(), mode='eval').body)}\n")
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as e:
-        result = Result("error", "", f"{type(e).__name__}: {e}\n", "", 0.0)
+        result = agent.ToolResult("error", "", f"{type(e).__name__}: {e}\n")
     done = concurrent.futures.Future()  # answered at once: a Future like every tool's
     done.set_result(result)
     return done

@@ -28,7 +28,6 @@ import itertools
 import random
 
 import agent
-from sandbox import Result
 
 COLUMNS = {"question": str, "size": int, "start": list, "goal": list, "walls": list}
 DIRECTIONS = {"up": (0, 1), "down": (0, -1), "left": (-1, 0), "right": (1, 0)}
@@ -58,22 +57,22 @@ class GridWorld:
         self.closed = False
 
     def move(self, direction):
-        """One step: the observation the model reads, as a sandbox Result (ok, or error for a failed call)."""
+        """One step: the observation the model reads, as an agent.ToolResult (ok, or error for a failed call)."""
         if self.closed:
             raise RuntimeError("the trajectory is over: its environment is closed")
         if direction not in DIRECTIONS:
-            return Result("error", "", f"unknown direction {direction!r}: up, down, left or right\n", "", 0.0)
+            return agent.ToolResult("error", "", f"unknown direction {direction!r}: up, down, left or right\n")
         if self.position == self.goal:
-            return Result("error", "", "the goal is reached already: answer now\n", "", 0.0)
+            return agent.ToolResult("error", "", "the goal is reached already: answer now\n")
         self.moves += 1
         dx, dy = DIRECTIONS[direction]
         target = (self.position[0] + dx, self.position[1] + dy)
         if target in self.walls or not all(0 <= c < self.size for c in target):
-            return Result("ok", f"blocked, still at {fmt(self.position)}\n", "", "", 0.0)
+            return agent.ToolResult("ok", f"blocked, still at {fmt(self.position)}\n")
         self.position = target
         if self.position == self.goal:
-            return Result("ok", f"at {fmt(self.position)}: the goal, after {self.moves} moves\n", "", "", 0.0)
-        return Result("ok", f"at {fmt(self.position)}\n", "", "", 0.0)
+            return agent.ToolResult("ok", f"at {fmt(self.position)}: the goal, after {self.moves} moves\n")
+        return agent.ToolResult("ok", f"at {fmt(self.position)}\n")
 
     def close(self):
         self.closed = True

@@ -1,18 +1,19 @@
 """agent.py against the reference: the released chat template (rendered by transformers), math-verify,
 hand-written expectations for parsing, truncation and answer extraction."""
 
+import dataclasses
 import json
 import random
 import re
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 import agent
 import data
 import grading
+import sandbox
 from sandbox import SandboxPool
 
 REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
@@ -299,7 +300,15 @@ def test_truncate():
 
 
 def result(status, stdout="", stderr="", value="", duration=0.1):
-    return SimpleNamespace(status=status, stdout=stdout, stderr=stderr, value=value, duration=duration)
+    return agent.ToolResult(status, stdout, stderr, value, duration)
+
+
+def test_the_sandbox_result_has_the_tool_results_fields():
+    # the Python tool answers with sandbox.Result as it is (sandbox.py imports nothing of ours), so its fields
+    # must be a ToolResult's, in the same order; and a ToolResult's defaults are an empty answer of no time
+    fields = [(f.name, f.type) for f in dataclasses.fields(agent.ToolResult)]
+    assert [(f.name, f.type) for f in dataclasses.fields(sandbox.Result)] == fields
+    assert agent.ToolResult("ok", "7\n") == agent.ToolResult("ok", "7\n", "", "", 0.0)
 
 
 def release_text(run_success, reason, stdout, stderr, cost, max_chars=256):
