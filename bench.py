@@ -98,6 +98,7 @@ import grading
 import model as modeling
 import rollout
 import sandbox
+from checkpoint import compile_layers
 from grpo_roc import policy_loss
 from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
@@ -960,19 +961,6 @@ def tiny_rl_batch(n=64, seed=0, vocab=4096):
     return seqs
 
 
-def compile_blocks(model):
-    """Compile each decoder layer with inductor (torch.compile; on a CPU it builds C++ with gcc), so a layer's
-    element-wise chains (RMSNorm, the q/k norms, RoPE, SwiGLU) run forward and backward as a few fused kernels
-    instead of dozens of passes over the activations; matmuls and attention stay torch's. Shapes are dynamic
-    (micro-batches differ in rows and length) and the layers share one graph, so the first forward and backward
-    pay the one compile (tens of seconds on a CPU). Fusion reorders some sums: the gradients equal the eager
-    path's within float tolerance, not bitwise (tests/test_model.py). Call it before shard_model.
-    Here, not in model.py: no entry point runs it yet (`bench.py u` measures it, docs/speed.md)."""
-    for layer in model.model.layers:
-        layer.compile(dynamic=True)
-    return model
-
-
 def update_step(reps, max_tokens=4096, kl_coef=0.05):
     """(u) the policy update of one tiny RL step (tiny_rl_batch, on data.prepare's tiny model shape, random
     weights), the way train_rl.py did it before issue 32 and the way it does it now, interleaved: before,
@@ -980,8 +968,9 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     layer + log-softmax at every position; now, micro-batches from common.pack_sorted (similar lengths
     together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm.
     Issue 45's arms, on now's micro-batches: "unfused" writes RMSNorm out as model.py did before (six ops and
-    their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs compile_blocks (above)
-    (inductor; its compile is timed apart, before the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
+    their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs
+    checkpoint.compile_layers, as the compile_update key does (inductor; its compile is timed apart, before
+    the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
     frozen reference's no_grad forward per micro-batch, then k3 in the loss; the reference's forward is timed
     on its own inside it."""
     import copy
@@ -992,7 +981,8 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
                  num_key_value_heads=2, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen(cfg)
-    compiled = compile_blocks(copy.deepcopy(model))
+    compiled = copy.deepcopy(model)
+    compile_layers(compiled)
     # the reference: frozen (train_rl.py: load_trainable(..., frozen=True)); the starting weights plus a little
     # noise, so the KL is not 0 as it is at a run's first step
     reference = Qwen(cfg)

@@ -133,6 +133,8 @@ kl_ref = ""  # the frozen reference: "" = model_path, the run's start (with kl_c
 max_tokens_per_micro = 4096
 # recompute each layer's activations in the backward: less memory, more compute
 activation_checkpointing = False
+# the update's decoder layers through inductor (checkpoint.load_trainable): fused element-wise chains
+compile_update = False
 # engine vs trainer (none of this is in the paper): the engine's copy may differ from the trainer's weights
 rollout_dtype = ""  # the engine's copy: "" = dtype; "bfloat16" on CPU makes the mismatch to correct
 # > 0 (e.g. 2.0): weight each token's loss by min(exp(trainer - engine log-prob), tis_cap)
@@ -237,7 +239,7 @@ if probe.stdout.strip() != "42":
 # (rollout_model, the engine's), built empty: sync_rollout_model fills it before the first rollout (reading
 # the checkpoint once, not twice)
 init_path = start or model_path
-model = load_trainable(init_path, device, ptdtype, activation_checkpointing)
+model = load_trainable(init_path, device, ptdtype, activation_checkpointing, compiled=compile_update)
 rollout_model = load_model(init_path, device="meta",
                            dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
 rollout_model.decode_mode = decode_mode

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qw
 
 import model as model_module
 from common import pack, pack_sorted
+from checkpoint import load_trainable
 from grpo_roc import policy_loss
 from model import Config, KVCache, Qwen, collate, load_model, save_model, token_logprobs
 
@@ -590,20 +591,20 @@ def test_fused_rms_norm_is_bitwise_the_written_out_form(dtype):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_give_the_eager_gradients(monkeypatch):
-    """bench.compile_blocks (inductor): the update's loss and gradients equal the eager path's within float tolerance,
-    on micro-batches of two shapes (one compile serves both: dynamic shapes), with and without activation
+def test_compiled_blocks_give_the_eager_gradients(tmp_path):
+    """checkpoint.load_trainable(compiled=True) (compile_layers, inductor; the compile_update key): the same
+    parameter names as the eager model, and the update's loss and gradients equal the eager path's within float tolerance, on micro-batches of two shapes (one compile serves both: dynamic shapes), with and without activation
     checkpointing; the compiled layers really run (the compiler's frame counter moves)"""
     import torch._dynamo
 
-    import bench
     cfg = Config(model_type="qwen3", vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     torch.manual_seed(0)
     eager = Qwen(cfg)
     randomize(eager, seed=1)
-    compiled = bench.compile_blocks(Qwen(cfg))
-    compiled.load_state_dict(eager.state_dict())
+    save_model(eager, str(tmp_path))
+    compiled = load_trainable(str(tmp_path), "cpu", torch.float32, compiled=True)
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     g = torch.Generator().manual_seed(8)
     batches = []
     for rows, length in ((3, 17), (5, 11)):
