@@ -98,7 +98,8 @@ def test_a_prefill_runs_the_layers_on_its_real_tokens_alone(tiny):
         new = [7, 2, 5]
         ids = torch.randint(0, 100, (3, 7), generator=g)
         seen.clear()
-        together = model.forward_cached(ids, caches[0], [2, 0, 1], last_only=True, n_new=[new[r] for r in (2, 0, 1)])
+        together = model.forward_cached(ids, caches[0], [2, 0, 1], last_only=True,
+                                        n_new=[new[r] for r in (2, 0, 1)])
         assert seen == [(1, 14, model.cfg.hidden_size)]  # 5 + 7 + 2 real tokens, no padding
         alone = [model.forward_cached(ids[b:b + 1, :new[r]], caches[1], [r], last_only=True)
                  for b, r in enumerate((2, 0, 1))]
