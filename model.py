@@ -196,7 +196,7 @@ def attend(q, k, v, att, layer_idx):
     kc, vc = cache.layers[layer_idx]  # this layer's pool (KVCache: its layouts)
     Hkv = k.shape[2]
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
-    # in pages the row does not hold, which belong to other rows); real selects them (all of them, decoding)
+    # in pages the row does not hold, which belong to other rows); real, a mask, selects them (all, decoding)
     news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
     # the pool's pages and their tokens as one axis of slots: (slots, Hkv, hd) flash's, (Hkv, slots, hd) SDPA's
     d = cache.page_dim - 1
@@ -475,7 +475,7 @@ class Qwen(nn.Module):
             input_ids, pos, table = (F.pad(z, (0, 0, 0, pad)) for z in (input_ids, pos, table))
             slots = F.pad(slots, (0, pad), value=cache.num_pages * ps)
         att = dict(cache=cache, slots=slots.to(dev),
-                   real=slice(None) if real.all() else real.flatten().nonzero()[:, 0].to(dev),
+                   real=slice(None) if real.all() else real.flatten().to(dev),
                    # fresh: rows with nothing in the cache yet (prompts)
                    fresh=not (static or lengths.any()))
         if cache.flash:
