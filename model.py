@@ -501,9 +501,10 @@ class Qwen(nn.Module):
             cache.last = (P, torch.stack([rows, lengths + n], 1))
             # (N,): each new token's place in the kept gather
             att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)
-        # a prefill (to each row's last token; rows of different lengths, usually): the layers run on the real
-        # tokens alone, packed into one row (1, N) of positions pos (Attention unpacks them around attention)
-        if last_only:
+        # a prefill of rows of different lengths (to each row's last token): the layers run on the real tokens
+        # alone, packed into one row (1, N) of positions pos (Attention unpacks them around attention); with no
+        # padding there is nothing to gain (the unpacking costs ~9% of a prefill of 32 rows of 40 tokens)
+        if last_only and not real.all():
             att["pack"] = real.to(dev)
             input_ids = input_ids[att["pack"]][None]
             pos = pos[real][None]
