@@ -498,25 +498,18 @@ class Engine:
 
     def prefill(self, todo):
         """The new tokens of several rows (prompts, tool responses) through the model together: shortest
-        first, right-padded, in forwards of at most `prefill_tokens` padded tokens (which bounds activation
-        memory), each row with room in its cache row for the padded length."""
-        # the items of the next forward, and the most tokens a row of them already has in the cache
+        first, in forwards of at most `prefill_tokens` tokens right-padded (which bounds activation memory).
+        The model's layers run on the real tokens alone, packed (model.forward_cached); attention sees each
+        row's own, padded, and padding is never written into the cache, so a row near max_len can share a
+        forward with longer ones."""
+        # the items of the next forward
         group = []
-        held = 0
         for item in sorted(todo, key=lambda item: len(item.ids)):
-            # the group's padded length if this item joins (it is the longest yet), and the row's tokens
-            # already in the cache
-            padded_len = len(item.ids)
-            cached = int(self.cache.lengths[item.row.slot])
-            # the group goes through the model first if the item would overflow the forward's tokens
-            # or a row's room in its cache row
-            if group and (padded_len * (len(group) + 1) > self.prefill_tokens
-                          or max(held, cached) + padded_len > self.max_len):
+            # the group goes through the model first if this item (the longest yet) would overflow the forward
+            if group and len(item.ids) * (len(group) + 1) > self.prefill_tokens:
                 self.prefill_group(group)
                 group = []
-                held = 0
             group.append(item)
-            held = max(held, cached)
         self.prefill_group(group)
 
     def prefill_group(self, group):
@@ -536,7 +529,7 @@ class Engine:
                 self.stats["recomputed_tokens"] += row.dropped
                 row.dropped = 0
                 row.pending = []
-                row.logits = row_logits.clone()
+                row.logits = row_logits
                 row.state = DECODE
                 # shared prefill: the samples hold the prompt's pages by reference
                 if row is not item.row:

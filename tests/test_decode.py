@@ -78,6 +78,38 @@ def test_padded_buckets_match_forward_cached(tiny):
     assert torch.allclose(caches[0].k[:, :, :-1], caches[1].k[:, :, :-1], atol=1e-5)
 
 
+def test_a_prefill_runs_the_layers_on_its_real_tokens_alone(tiny):
+    """issue 45 item 3: rows of different lengths prefilled together (tool answers into rows that hold tokens,
+    and prompts) go through the layers packed, (1, N) real tokens with no padding, and each row's logits are those
+    of prefilling it alone; the decode step after it reads what the prefill wrote"""
+    path, _, _ = tiny
+    model = load_model(path)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    for held in ((0, 0, 0), (9, 3, 14)):  # prompts, then tool answers into rows that hold tokens
+        caches = [KVCache(model.cfg, 3, 64, "cpu", torch.float32, page_size=4) for _ in range(2)]
+        for cache in caches:
+            for r, n in enumerate(held):
+                cache.grow(r, 64)
+                if n:
+                    model.forward_cached(torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(r)),
+                                         cache, [r])
+        new = [7, 2, 5]
+        ids = torch.randint(0, 100, (3, 7), generator=g)
+        seen.clear()
+        together = model.forward_cached(ids, caches[0], [2, 0, 1], last_only=True,
+                                        n_new=[new[r] for r in (2, 0, 1)])
+        assert seen == [(1, 14, model.cfg.hidden_size)]  # 5 + 7 + 2 real tokens, no padding
+        alone = [model.forward_cached(ids[b:b + 1, :new[r]], caches[1], [r], last_only=True)
+                 for b, r in enumerate((2, 0, 1))]
+        assert torch.allclose(together, torch.cat(alone), atol=1e-5, rtol=1e-5)
+        assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [n + k for n, k in zip(held, new)]
+        step = torch.randint(0, 100, (3, 1), generator=g)
+        a, b = (model.forward_cached(step, cache, [0, 1, 2]) for cache in caches)
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
     """bench.py gpu's section 3b (eager vs CUDA-graph decode steps) at toy sizes on the CPU, where the static
     steps run eagerly: both sides at each batch, the same tokens, and the first (capturing) run timed apart"""
