@@ -66,8 +66,9 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     work: configs/tiny_rl.py's model, prompts (ours' first, checked in its rollout dumps), group,
     budget, temperature, learning rate and loss (no KL, clip-higher, token-mean, std-scaled
     advantages, one optimizer step); one assistant turn without the tool, a reward that varies
-    there (TRL_TASK); plain GRPO, then RoC (TRL trains all 2G). TRL generates with transformers'
-    generate.
+    there (TRL_TASK); plain GRPO, then RoC (TRL trains all 2G); then both again with the tool
+    (tasks/math.py, multi-turn: TRL's tools= with our sandbox behind it, the same prompt and turn
+    tokens). TRL generates with transformers' generate.
     Each side runs --trl_steps steps in a fresh process, one thread, ours then TRL, --reps rounds:
     seconds and generated tokens per step, the ratio per step and per token, and what is not equal.
     TRL runs in its own venv (trl_bench's docstring); without it the section says so and exits 0.
@@ -1566,6 +1567,8 @@ def trl_config(cfg, micro_rows):
         scale_rewards="group",
         num_iterations=1,
         mask_truncated_completions=False,
+        # the tool's turns: ours counts assistant turns, TRL the tool rounds between them
+        max_tool_calling_iterations=cfg["max_turns"] - 1,
         # GRPOConfig's defaults that are not ours: activation checkpointing and bf16 on
         gradient_checkpointing=False,
         bf16=False,
@@ -1609,27 +1612,61 @@ def trl_worker(spec_path):
     with open(spec_path) as f:
         spec = json.load(f)
     tok = transformers.AutoTokenizer.from_pretrained(spec["model_path"])
-    # the same prompt tokens as our engine's, checked: TRL tokenizes a plain-text prompt itself
+    tools = []
+    pool = None
+    if spec["tool"]:
+        # the tool: our sandbox pool, answered in our words (agent.tool_response_text). TRL calls
+        # it by its name and reads its schema from the signature and the docstring, built from
+        # ours
+        settings = spec["tool"]
+        pool = SandboxPool(workers=1, timeout=settings["timeout"], memory=settings["memory"],
+                           isolation=settings["isolation"]).start()
+
+        def execute_python_code_with_standard_io(code: str, input: str):
+            result = pool.submit(code, input or "").result()
+            return agent.tool_response_text(result, settings["max_chars"])
+        function = agent.TOOL_SCHEMA["function"]
+        arguments = function["parameters"]["properties"]
+        execute_python_code_with_standard_io.__doc__ = (
+            function["description"] + "\n\nArgs:\n"
+            + "".join(f"    {name}: {arg['description']}\n" for name, arg in arguments.items()))
+        tools.append(execute_python_code_with_standard_io)
+        # the parser of Qwen3's <tool_call> JSON blocks: our model's, under the release's template
+        from trl.chat_template_utils import qwen3_template
+        tok.response_template = qwen3_template
+    # the same prompt tokens as our engine's, checked: TRL renders and tokenizes a prompt itself,
+    # through the chat template with the tools where it has them
     for row, ids in zip(spec["rows"], spec["prompt_ids"]):
-        if tok(row["prompt"])["input_ids"] != ids:
-            raise SystemExit(f"TRL's tokens of a prompt differ from ours: {row['prompt'][-80:]!r}")
+        text = row["prompt"]
+        if tools:
+            text = tok.apply_chat_template(text, tools=tools, add_generation_prompt=True,
+                                           tokenize=False)
+        if tok(text)["input_ids"] != ids:
+            raise SystemExit(f"TRL's tokens of a prompt differ from ours: {text[-80:]!r}")
     policy = transformers.AutoModelForCausalLM.from_pretrained(spec["model_path"],
                                                                dtype=torch.float32)
     task = grading.load_task(spec["task"])
+    grader = grading.Grader(None, helpers=1)
     steps = []
     current = {}
 
-    def reward(completion_ids, question, answer, **_):
-        # as ours grades: a turn cut by the budget scores 0, a finished one the task's grade of its
-        # text
+    def reward(completion_ids, completions, question, answer, **_):
+        # as ours grades: a rollout cut by the budget scores 0, a finished one the task's grade of
+        # its sampled turns (with the tool: the assistant messages TRL parsed)
         rewards = []
-        for ids, row_question, row_answer in zip(completion_ids, question, answer):
+        for ids, completion, row_question, row_answer in zip(completion_ids, completions, question,
+                                                             answer):
             finished = bool(ids) and ids[-1] == tok.eos_token_id
             if not finished:
                 rewards.append(0.0)
                 continue
+            if tools:
+                turns = [message["content"] for message in completion
+                         if message["role"] == "assistant"]
+            else:
+                turns = [tok.decode(ids[:-1])]
             row = {"question": row_question, "answer": row_answer}
-            rewards.append(task.grade(row, None, [tok.decode(ids[:-1])], None, None)[0])
+            rewards.append(task.grade(row, None, turns, grader, None)[0])
         current["tokens"] += sum(map(len, completion_ids))
         current["rewards"] += rewards
         return rewards
@@ -1648,7 +1685,19 @@ def trl_worker(spec_path):
     config = trl.GRPOConfig(output_dir=os.path.dirname(spec_path), **spec["trl_config"])
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=reward, args=config, processing_class=tok,
                               train_dataset=datasets.Dataset.from_list(spec["rows"]),
-                              callbacks=[Clock()])
+                              callbacks=[Clock()], tools=tools or None)
+    if tools:
+        # a tool turn follows the model's <|im_end|> at once in the release and in ours
+        # (agent.tool_suffix_text); TRL cuts its suffix from the template's rendering, with the
+        # "\n" the template writes after <|im_end|>: dropped, so the model sees the tokens it was
+        # trained on
+        suffix_ids = trainer._get_tool_suffix_ids
+        newline = tok.encode("\n", add_special_tokens=False)
+
+        def release_suffix(tool_messages):
+            ids = suffix_ids(tool_messages)
+            return ids[len(newline):] if ids[:len(newline)] == newline else ids
+        trainer._get_tool_suffix_ids = release_suffix
     compute_loss = trainer.compute_loss
 
     def counted_loss(model, inputs, *args, **kwargs):
@@ -1658,6 +1707,9 @@ def trl_worker(spec_path):
         return compute_loss(model, inputs, *args, **kwargs)
     trainer.compute_loss = counted_loss
     trainer.train()
+    grader.close()
+    if pool:
+        pool.close()
     with open(spec_path + ".out.json", "w") as f:
         json.dump({"steps": steps,
                    "trl": trl.__version__,
@@ -1710,7 +1762,7 @@ def check_prompts(run_dir, steps, per_step, questions):
 
 
 def trl_bench(trl_python, rounds, steps, micro_rows, model_path, data_path,
-              variants=("grpo", "roc")):
+              variants=("grpo", "roc", "tool", "tool_roc")):
     """(trl) RL steps of ours (train_rl.py, one assistant turn, no tool) against TRL's GRPOTrainer
     on the same work; each side a fresh process a round, one thread, interleaved: ours, TRL, ours,
     TRL... variants: "grpo" (plain GRPO, G samples a prompt, all trained) and "roc" (ours: 2G
@@ -1721,58 +1773,78 @@ def trl_bench(trl_python, rounds, steps, micro_rows, model_path, data_path,
             --index-url https://download.pytorch.org/whl/cpu
         /work/trl-venv/bin/pip install -r requirements.txt trl
     """
+    unknown = set(variants) - {"grpo", "roc", "tool", "tool_roc"}
+    if unknown:
+        raise ValueError(f"unknown --trl_variants {sorted(unknown)}: choose from grpo, roc, tool, "
+                         f"tool_roc")
     missing = trl_missing(trl_python)
     if missing:
         print(f"(trl) skipped: trl is not installed for {trl_python} ({missing}). Make its venv "
               f"as bench.trl_bench's docstring says and pass --trl_python=<its python>.")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        task_path = os.path.join(tmp, "copy_task.py")
-        with open(task_path, "w") as f:
+        copy_task = os.path.join(tmp, "copy_task.py")
+        with open(copy_task, "w") as f:
             f.write(TRL_TASK)
-        # one assistant turn: max_turns 1 ends the episode at a tool call, as TRL's generation does
-        base = ["configs/tiny_rl.py", f"--task={task_path}", "--max_turns=1", f"--steps={steps}",
-                f"--model_path={model_path}", f"--data_path={data_path}", "--save_every=100000",
-                "--dump_every=1"]
-        runs = {variant: {"args": base + [f"--roc={variant == 'roc'}"]} for variant in variants}
+        base = ["configs/tiny_rl.py", f"--steps={steps}", f"--model_path={model_path}",
+                f"--data_path={data_path}", "--save_every=100000", "--dump_every=1"]
+        # without the tool: one assistant turn (max_turns 1 ends the episode at a tool call, as
+        # TRL's generation does); with it: tasks/math.py, multi-turn, the tool in our sandbox
+        single = [f"--task={copy_task}", "--max_turns=1"]
+        runs = {variant: {"args": base + ([] if variant.startswith("tool") else single)
+                          + [f"--roc={variant.endswith('roc')}"]} for variant in variants}
+        tok = transformers.AutoTokenizer.from_pretrained(model_path)
+        problems = read_jsonl(data_path)
         for variant, run in runs.items():
-            run["cfg"] = train_rl_config(run["args"])
-            run["trl"], run["unequal"] = trl_config(run["cfg"], micro_rows)
+            cfg = run["cfg"] = train_rl_config(run["args"])
+            run["trl"], run["unequal"] = trl_config(cfg, micro_rows)
             run["trl"]["max_steps"] = steps
             run["sides"] = {"ours": [], "TRL": []}
-        cfg = runs[variants[0]]["cfg"]
-        per_step = cfg["prompts_per_step"]
-        # our data stream's first prompts (train_rl.prompt_at from cursor 0): each row's prompt as
-        # the task renders it, those within max_prompt_tokens, in the seed's order of epoch 0
-        tok = transformers.AutoTokenizer.from_pretrained(model_path)
-        task = grading.load_task(task_path)
-        problems = read_jsonl(data_path)
-        prompt_ids = [tok.encode(task.prompt(row), add_special_tokens=False) for row in problems]
-        fitting = [i for i, ids in enumerate(prompt_ids) if len(ids) <= cfg["max_prompt_tokens"]]
-        generator = torch.Generator().manual_seed(cfg["seed"])
-        order = torch.randperm(len(fitting), generator=generator).tolist()
-        stream = [fitting[i] for i in order[:steps * per_step]]
-        rows = [dict(problems[i], prompt=task.prompt(problems[i])) for i in stream]
-        print(f"(trl) {rounds} round(s) x {steps} RL steps a side and variant, each side a fresh "
-              f"process, one thread; {per_step} prompts a step, {cfg['max_response_tokens']} new "
-              f"tokens at most, temperature {cfg['temperature']}, lr {cfg['lr']}, {model_path}; "
-              f"one assistant turn, no tool, reward: the turn copies the question's expression "
-              f"(bench.TRL_TASK)", flush=True)
-        for variant, run in runs.items():
+            # our data stream's first prompts (train_rl.prompt_at from cursor 0): each row's
+            # prompt as the task renders it, those within max_prompt_tokens, in the seed's order
+            # of epoch 0
+            task = grading.load_task(cfg["task"])
+            prompt_ids = [tok.encode(task.prompt(row), add_special_tokens=False)
+                          for row in problems]
+            fitting = [i for i, ids in enumerate(prompt_ids)
+                       if len(ids) <= cfg["max_prompt_tokens"]]
+            generator = torch.Generator().manual_seed(cfg["seed"])
+            order = torch.randperm(len(fitting), generator=generator).tolist()
+            stream = [fitting[i] for i in order[:steps * cfg["prompts_per_step"]]]
+            # TRL's prompt: the text itself, or with the tool the user's message, which TRL renders
+            # through the chat template (the release's: the same text, checked on its side)
+            tool = None
+            rows = [dict(problems[i], prompt=task.prompt(problems[i])) for i in stream]
+            if variant.startswith("tool"):
+                tool = {"timeout": cfg["tool_timeout"], "memory": cfg["tool_memory"],
+                        "isolation": cfg["tool_isolation"], "max_chars": cfg["tool_max_chars"]}
+                rows = [dict(problems[i],
+                             prompt=[{"role": "user", "content": problems[i]["question"]}])
+                        for i in stream]
+            run["questions"] = [problems[i]["question"] for i in stream]
             run["spec"] = os.path.join(tmp, f"{variant}.json")
             with open(run["spec"], "w") as f:
                 json.dump({"model_path": model_path,
-                           "task": task_path,
+                           "task": cfg["task"],
+                           "tool": tool,
                            "rows": rows,
                            "prompt_ids": [prompt_ids[i] for i in stream],
                            "trl_config": run["trl"]}, f)
+        cfg = runs[variants[0]]["cfg"]
+        print(f"(trl) {rounds} round(s) x {steps} RL steps a side and variant, each side a fresh "
+              f"process, one thread; {cfg['prompts_per_step']} prompts a step, "
+              f"{cfg['max_response_tokens']} new tokens at most, temperature "
+              f"{cfg['temperature']}, lr {cfg['lr']}, {model_path}. grpo, roc: one assistant "
+              f"turn, no tool, reward: the turn copies the question's expression "
+              f"(bench.TRL_TASK); tool, tool_roc: tasks/math.py with the tool (our sandbox on "
+              f"both sides), up to {runs[variants[-1]]['cfg']['max_turns']} turns", flush=True)
         for round_index in range(rounds):
             for variant, run in runs.items():
                 # ours, then TRL, right after: one round's two sides see the same load
                 run_dir = os.path.join(tmp, f"{variant}{round_index}")
                 ours = ours_steps(run["args"], run_dir)
                 if round_index == 0:
-                    check_prompts(run_dir, steps, per_step, [row["question"] for row in rows])
+                    check_prompts(run_dir, steps, run["cfg"]["prompts_per_step"], run["questions"])
                 out = trl_side(trl_python, run["spec"])
                 run["sides"]["ours"] += ours
                 run["sides"]["TRL"] += out["steps"]
@@ -1836,6 +1908,13 @@ def print_trl_terms(cfg, runs):
           "(trained); TRL trains them with advantage 0. With RoC ours trains G of 2G, TRL all 2G")
     print(f"   not equal: TRL's warm-up starts at lr 0, ours at lr / {cfg['warmup_steps']}; each "
           f"side samples its own tokens, so tokens a step differ: ms/token divides by its own")
+    if any(variant.startswith("tool") for variant in runs):
+        print("   tool: the same prompt tokens (TRL renders them with the release's chat "
+              "template), sandbox, tool answers and turn tokens; not equal: TRL runs the calls "
+              "when the whole batch's generate ends, one call at a time, then generates again for "
+              "the rows that called, on their whole history; ours runs calls while other rows "
+              "decode and keeps each row's KV. TRL parses calls with trl's Qwen3 parser, ours "
+              "with agent.parse_tool_calls (a malformed call is answered differently)")
     for run in runs.values():
         for line in run["unequal"]:
             print(f"   not mirrored: {line}")
@@ -1864,8 +1943,8 @@ if __name__ == "__main__":
     ap.add_argument("--trl_steps", type=int, default=2, help="trl: RL steps per process and side")
     ap.add_argument("--trl_micro_rows", type=int, default=32,
                     help="trl: TRL's rows per micro-batch")
-    ap.add_argument("--trl_variants", default="grpo,roc",
-                    help="trl: grpo, roc or both (comma-separated)")
+    ap.add_argument("--trl_variants", default="grpo,roc,tool,tool_roc",
+                    help="trl: any of grpo, roc, tool, tool_roc (comma-separated)")
     ap.add_argument("--trl_worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sections == ["gpu"]:

@@ -44,6 +44,9 @@ def test_trl_config_mirrors_ours_and_names_what_it_cannot(monkeypatch):
     assert kwargs["num_generations"] == 8 and kwargs["max_completion_length"] == 192
     assert (kwargs["beta"], kwargs["epsilon"], kwargs["epsilon_high"]) == (0.0, 0.2, 0.28)
     assert kwargs["gradient_checkpointing"] is False and kwargs["bf16"] is False
+    assert kwargs["max_tool_calling_iterations"] == cfg["max_turns"] - 1
+    roc, _ = bench.trl_config(dict(cfg, roc=True), 32)  # TRL trains all 2G
+    assert roc["num_generations"] == 16 and roc["gradient_accumulation_steps"] == 4
     _, unequal = bench.trl_config(dict(cfg, kl_coef=0.05), 16)
     assert unequal == ["kl_coef = 0.05 (TRL runs 0.0)"]
     with pytest.raises(ValueError, match="must divide the step's 64 samples"):
