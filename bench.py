@@ -1673,10 +1673,12 @@ def trl_worker(spec_path):
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            current.update(tokens=0, rewards=[], micro=[], start=time.perf_counter())
+            current.update(tokens=0, rewards=[], micro=[], start=time.perf_counter(),
+                           cpu=time.process_time())
 
         def on_step_end(self, args, state, control, **kwargs):
             steps.append({"seconds": time.perf_counter() - current.pop("start"),
+                          "cpu": time.process_time() - current.pop("cpu"),
                           "tokens": current["tokens"],
                           "trained": len(current["rewards"]),
                           "reward": statistics.mean(current["rewards"]),
@@ -1719,11 +1721,41 @@ def trl_worker(spec_path):
     return 0
 
 
+# train_rl.py run with a CPU clock per step: the process's CPU seconds (all its threads: the
+# engine, the grader's, the update) from the loop's start (the Logger is made right before it) or
+# the last step's log or rollout dump, to this step's log. The sandbox's processes are not counted
+# (the TRL side's neither). Wall clocks mislead on a shared machine; CPU seconds much less so.
+OURS_CLOCK = """
+import runpy, sys, time
+import common, scheduler
+init = common.Logger.__init__
+log = common.Logger.log
+join_parts = scheduler.join_parts
+mark = [0.0]
+def timed_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    mark[0] = time.process_time()
+def timed_log(self, step, metrics):
+    metrics["bench/cpu_s"] = time.process_time() - mark[0]
+    log(self, step, metrics)
+    mark[0] = time.process_time()
+def timed_join(*args):
+    join_parts(*args)
+    mark[0] = time.process_time()
+common.Logger.__init__ = timed_init
+common.Logger.log = timed_log
+scheduler.join_parts = timed_join
+sys.argv = sys.argv[1:]
+runpy.run_path("train_rl.py", run_name="__main__")
+"""
+
+
 def ours_steps(args, run_dir):
     """train_rl.py with args in a fresh process, one thread: per step its seconds (rollout +
-    grade wait + gather + update, its own clocks), generated tokens, trajectories trained, mean
-    reward."""
-    p = subprocess.run([sys.executable, "train_rl.py", *args, f"--run_dir={run_dir}"],
+    grade wait + gather + update, its own clocks), CPU seconds (OURS_CLOCK), generated tokens,
+    trajectories trained, mean reward."""
+    p = subprocess.run([sys.executable, "-c", OURS_CLOCK, "train_rl.py", *args,
+                        f"--run_dir={run_dir}"],
                        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     if p.returncode != 0:
@@ -1733,6 +1765,7 @@ def ours_steps(args, run_dir):
     for m in data.read_metrics(run_dir):
         seconds = m["time/rollout"] + m["time/grade_wait"] + m["time/gather"] + m["time/train"]
         rows.append({"seconds": seconds,
+                     "cpu": m["bench/cpu_s"],
                      "tokens": round(m["rollout/tok_per_s"] * m["time/rollout"]),
                      "trained": m["roc/kept"],
                      "reward": m["rollout/reward"]})
@@ -1865,28 +1898,31 @@ def trl_bench(trl_python, rounds, steps, micro_rows, model_path, data_path,
 
 def print_trl(variant, run, steps):
     """One variant's table: medians over the steps after each process's first (its first step pays
-    one-time costs on both sides; with one step a process, every step counts)."""
-    print(f"\n   {variant}: {'side':<5} {'steps':>5} {'s/step':>7} {'tokens/step':>11} "
-          f"{'ms/token':>8} {'trained':>7} {'reward':>6}  (medians)")
+    one-time costs on both sides; with one step a process, every step counts). s: wall seconds,
+    cpu: the process's CPU seconds, ms/token: per generated token."""
+    print(f"\n   {variant}: {'side':<5} {'steps':>5} {'s/step':>7} {'cpu s':>6} {'tokens':>6} "
+          f"{'ms/token':>8} {'cpu ms/token':>12} {'trained':>7} {'reward':>6}  (medians)")
     med = {}
     for name, rows in run["sides"].items():
         timed = [s for i, s in enumerate(rows) if steps == 1 or i % steps]
         med[name] = {key: statistics.median(s[key] for s in timed)
-                     for key in ("seconds", "tokens")}
+                     for key in ("seconds", "cpu", "tokens", "trained", "reward")}
         med[name]["per_token"] = statistics.median(s["seconds"] / s["tokens"] for s in timed)
-        print(f"   {'':<{len(variant)}}  {name:<5} {len(timed):>5} {med[name]['seconds']:>7.2f} "
-              f"{med[name]['tokens']:>11.0f} {1000 * med[name]['per_token']:>8.3f} "
-              f"{statistics.median(s['trained'] for s in timed):>7.0f} "
-              f"{statistics.median(s['reward'] for s in timed):>6.3f}")
-    per_step = med["TRL"]["seconds"] / med["ours"]["seconds"]
-    per_token = med["TRL"]["per_token"] / med["ours"]["per_token"]
-    line = (f"   {variant}: ours / TRL x{per_step:.2f} per step, x{per_token:.2f} per generated "
-            f"token")
+        med[name]["cpu_per_token"] = statistics.median(s["cpu"] / s["tokens"] for s in timed)
+        m = med[name]
+        print(f"   {'':<{len(variant)}}  {name:<5} {len(timed):>5} {m['seconds']:>7.2f} "
+              f"{m['cpu']:>6.2f} {m['tokens']:>6.0f} {1000 * m['per_token']:>8.3f} "
+              f"{1000 * m['cpu_per_token']:>12.3f} {m['trained']:>7.0f} {m['reward']:>6.3f}")
+    ours = med["ours"]
+    trl = med["TRL"]
+    line = (f"   {variant}: ours / TRL x{trl['seconds'] / ours['seconds']:.2f} per step "
+            f"(CPU x{trl['cpu'] / ours['cpu']:.2f}), x{trl['per_token'] / ours['per_token']:.2f} "
+            f"per generated token (CPU x{trl['cpu_per_token'] / ours['cpu_per_token']:.2f})")
     if steps > 1:
         firsts = {name: statistics.median(s["seconds"] for s in rows[::steps])
                   for name, rows in run["sides"].items()}
-        line += (f" (first steps apart: ours {firsts['ours']:.2f} s, TRL {firsts['TRL']:.2f} s, "
-                 f"x{firsts['TRL'] / firsts['ours']:.2f})")
+        line += (f"; first steps apart: ours {firsts['ours']:.2f} s, TRL {firsts['TRL']:.2f} s, "
+                 f"x{firsts['TRL'] / firsts['ours']:.2f}")
     print(line)
 
 
