@@ -64,3 +64,16 @@ def test_the_copy_task_rewards_an_exact_copy(tmp_path, monkeypatch):
     # the prompt is math_no_tool's: no tool offered
     assert task.prompt(row) == grading.load_task("tasks/math_no_tool.py").prompt(row)
     assert task.TOOLS == {}
+
+
+def test_ours_clock_wraps_what_train_rl_calls():
+    # OURS_CLOCK marks the CPU clock where train_rl.py makes its Logger (right before the step loop),
+    # logs a step and joins a rollout dump: those names must still be there, and called by train_rl
+    import common
+    import scheduler
+    with open(os.path.join(ROOT, "train_rl.py")) as f:
+        source = f.read()
+    assert "logger = Logger(" in source and "logger.log(step, metrics)" in source
+    assert "join_parts(path, world)" in source
+    assert callable(common.Logger.log) and callable(scheduler.join_parts)
+    compile(bench.OURS_CLOCK, "OURS_CLOCK", "exec")
