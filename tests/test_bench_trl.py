@@ -1,5 +1,6 @@
 """bench.py trl's pieces that need no trl: the message where trl is missing, train_rl's settings
-as the benchmark reads them, their mapping onto TRL's GRPOConfig, and the single-turn task's reward."""
+as the benchmark reads them, their mapping onto TRL's GRPOConfig, and the single-turn task's
+reward."""
 import importlib.util
 import os
 import sys
@@ -68,7 +69,8 @@ def test_the_copy_task_rewards_an_exact_copy(tmp_path, monkeypatch):
 
 def test_ours_clock_wraps_what_train_rl_calls():
     # OURS_CLOCK marks the CPU clock where train_rl.py makes its Logger (right before the step
-    # loop), logs a step and joins a rollout dump: those names must still be there, and called by train_rl
+    # loop), logs a step and joins a rollout dump: those names must still be there, and called by
+    # train_rl
     import common
     import scheduler
     with open(os.path.join(ROOT, "train_rl.py")) as f:
