@@ -10,6 +10,7 @@ they print tables with both sides and the ratio; nothing asserts a speed.
     python bench.py mem        # one 14B rank's training transients (a layer's recompute, the output layer)
     python bench.py eval       # eval.py's engine, reserve 0.5 vs "auto", on the demo's held-out set (~1 minute)
     python bench.py gpu        # the prepared check for a GPU (below); --cpu dry-runs it at toy sizes
+    python bench.py trl        # RL steps of train_rl.py vs TRL's GRPOTrainer (trl: its own venv)
     python bench.py --threads=2 --reps=5
 
 The model: a random Qwen3 built with transformers (4 layers, width 256, 8 heads / 4 kv heads of 32,
@@ -61,6 +62,16 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
 (scale) what crosses ranks after a rollout phase, measured on 2 gloo ranks and extrapolated to 64 by the
     measured cost per trajectory times the count, each term printed (never below 0).
+(trl) RL steps of train_rl.py (rollout + grade + update) against TRL's GRPOTrainer's on the same
+    work: configs/tiny_rl.py's model, prompts (ours' first, checked in its rollout dumps), group,
+    budget, temperature, learning rate and loss (no KL, clip-higher, token-mean, std-scaled
+    advantages, one optimizer step); one assistant turn without the tool, a reward that varies
+    there (TRL_TASK); plain GRPO, then RoC (TRL trains all 2G); then both again with the tool
+    (tasks/math.py, multi-turn: TRL's tools= with our sandbox behind it, the same prompt and turn
+    tokens). TRL generates with transformers' generate.
+    Each side runs --trl_steps steps in a fresh process, one thread, ours then TRL, --reps rounds:
+    seconds and generated tokens per step, the ratio per step and per token, and what is not equal.
+    TRL runs in its own venv (trl_bench's docstring); without it the section says so and exits 0.
 (p) where our engine spends its time: the split of one generate() into prefill / decode / sampling,
     and torch-profiler top ops inside the decode steps.
 
@@ -74,6 +85,8 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import gzip
+import io
 import json
 import math
 import os
@@ -99,6 +112,7 @@ import model as modeling
 import rollout
 import sandbox
 from checkpoint import compile_layers
+from common import read_jsonl
 from grpo_roc import policy_loss
 from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
 from rollout import Engine, Request, iter_claim
@@ -1463,10 +1477,479 @@ def print_gpu_rl(rl):
     print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included)")
 
 
+# (trl): an RL step of train_rl.py against TRL's GRPOTrainer on the same work. TRL lives in its own
+# venv (--trl_python; the recipe is in trl_bench's docstring) and bench.py runs there too, as the
+# TRL side (--trl_worker). The loss settings GRPOConfig can mirror, at the values it mirrors:
+TRL_LOSS = {"adv_scale": "std", "loss_norm": "token", "ratio_level": "token", "mini_batches": 1,
+            "kl_coef": 0.0, "dual_clip": 0.0, "tis_cap": 0.0, "mismatch_band": 0.0,
+            "activation_checkpointing": False, "dtype": "float32"}
+# the single-turn task of (trl), written to a temp file for train_rl.py's --task and loaded by the
+# TRL side too. The tiny model answers every arithmetic question with a tool call, so one turn
+# never holds an answer and the math reward is 0 for every sample: no group would carry a signal
+# and ours would skip the update. This reward is 1 when the turn copies the question's expression
+# exactly (the tiny model sometimes miscopies a number): groups differ, and both sides do the whole
+# update.
+TRL_TASK = '''"""bench.py trl: math_no_tool's prompt; reward 1: the turn copies the question"""
+from tasks.math_no_tool import COLUMNS, TOOLS, predict, prompt  # noqa: F401
+
+
+def grade(row, pred, turns, grader, trajectory):
+    expression = row["question"].removeprefix("What is ").removesuffix("?")
+    copied = expression in "".join(turns)
+    return float(copied), copied
+'''
+
+
+def train_rl_config(args, path="train_rl.py"):
+    """train_rl.py's settings for its command-line args (config files and --key=value): its
+    defaults (the module-level assignments above configure(), read from its source), then
+    configurator.configure."""
+    import ast
+    import configurator
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in tree.body:
+        # the defaults end at `cfg = configure(globals())`, the first assignment of a call
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            # a constant expression (256 << 20, 1e-6), evaluated with no names in scope
+            expression = compile(ast.Expression(node.value), path, "eval")
+            defaults[node.targets[0].id] = eval(expression, {})
+    with contextlib.redirect_stdout(io.StringIO()):
+        return configurator.configure(defaults, list(args))
+
+
+def trl_config(cfg, micro_rows):
+    """GRPOConfig's keyword arguments for train_rl's settings cfg, and each setting it cannot
+    mirror as a line to print. Every sample of a step is trained (plain GRPO; with RoC, TRL has no
+    down-sampling: it trains all 2G). micro_rows: TRL's rows per micro-batch (it counts rows, ours
+    tokens)."""
+    group = cfg["samples_per_prompt"] if cfg["roc"] else cfg["keep_per_prompt"]
+    batch = cfg["prompts_per_step"] * group
+    if batch % micro_rows:
+        raise ValueError(f"--trl_micro_rows={micro_rows} must divide the step's {batch} samples")
+    unequal = [f"{key} = {cfg[key]!r} (TRL runs {value!r})"
+               for key, value in TRL_LOSS.items() if cfg[key] != value]
+    kwargs = dict(
+        per_device_train_batch_size=micro_rows,
+        gradient_accumulation_steps=batch // micro_rows,
+        num_generations=group,
+        max_completion_length=cfg["max_response_tokens"],
+        temperature=cfg["temperature"],
+        top_p=cfg["top_p"],
+        top_k=0,
+        learning_rate=cfg["lr"],
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=cfg["warmup_steps"],
+        weight_decay=cfg["weight_decay"],
+        max_grad_norm=cfg["grad_clip"],
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        # the loss: no KL term, clip-higher, a token-mean over the step's sampled tokens,
+        # std-scaled group advantages, one optimizer step a generation (the old log-probs are the
+        # update's own)
+        beta=0.0,
+        epsilon=cfg["eps_low"],
+        epsilon_high=cfg["eps_high"],
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        mask_truncated_completions=False,
+        # the tool's turns: ours counts assistant turns, TRL the tool rounds between them
+        max_tool_calling_iterations=cfg["max_turns"] - 1,
+        # GRPOConfig's defaults that are not ours: activation checkpointing and bf16 on
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        shuffle_dataset=False,
+        seed=cfg["seed"],
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+    )
+    return kwargs, unequal
+
+
+def trl_missing(trl_python):
+    """None where trl_python imports trl, transformers and torch; else why not, in one line."""
+    if not os.path.exists(trl_python):
+        return f"{trl_python} does not exist"
+    probe = subprocess.run([trl_python, "-c", "import torch, transformers, trl"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no error text"])[-1]
+        return f"{trl_python} cannot import trl: {last}"
+    return None
+
+
+def trl_worker(spec_path):
+    """The TRL side, run by the trl venv's python: GRPOTrainer on the spec's prompts, timed step by
+    step. Writes spec_path + ".out.json": per optimizer step its seconds (on_step_begin to
+    on_step_end: the generation, the rewards, every micro-batch's forward and backward, the
+    optimizer step), its generated tokens, its mean reward and each micro-batch's padded tokens
+    (rows x width)."""
+    import datasets
+    import trl
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    with open(spec_path) as f:
+        spec = json.load(f)
+    tok = transformers.AutoTokenizer.from_pretrained(spec["model_path"])
+    tools = []
+    pool = None
+    if spec["tool"]:
+        # the tool: our sandbox pool, answered in our words (agent.tool_response_text). TRL calls
+        # it by its name and reads its schema from the signature and the docstring, built from
+        # ours
+        settings = spec["tool"]
+        pool = SandboxPool(workers=1, timeout=settings["timeout"], memory=settings["memory"],
+                           isolation=settings["isolation"]).start()
+
+        def execute_python_code_with_standard_io(code: str, input: str):
+            result = pool.submit(code, input or "").result()
+            return agent.tool_response_text(result, settings["max_chars"])
+        function = agent.TOOL_SCHEMA["function"]
+        arguments = function["parameters"]["properties"]
+        execute_python_code_with_standard_io.__doc__ = (
+            function["description"] + "\n\nArgs:\n"
+            + "".join(f"    {name}: {arg['description']}\n" for name, arg in arguments.items()))
+        tools.append(execute_python_code_with_standard_io)
+        # the parser of Qwen3's <tool_call> JSON blocks: our model's, under the release's template
+        from trl.chat_template_utils import qwen3_template
+        tok.response_template = qwen3_template
+    # the same prompt tokens as our engine's, checked: TRL renders and tokenizes a prompt itself,
+    # through the chat template with the tools where it has them
+    for row, ids in zip(spec["rows"], spec["prompt_ids"]):
+        text = row["prompt"]
+        if tools:
+            text = tok.apply_chat_template(text, tools=tools, add_generation_prompt=True,
+                                           tokenize=False)
+        if tok(text)["input_ids"] != ids:
+            raise SystemExit(f"TRL's tokens of a prompt differ from ours: {text[-80:]!r}")
+    policy = transformers.AutoModelForCausalLM.from_pretrained(spec["model_path"],
+                                                               dtype=torch.float32)
+    task = grading.load_task(spec["task"])
+    grader = grading.Grader(None, helpers=1)
+    steps = []
+    current = {}
+
+    def reward(completion_ids, completions, question, answer, **_):
+        # as ours grades: a rollout cut by the budget scores 0, a finished one the task's grade of
+        # its sampled turns (with the tool: the assistant messages TRL parsed)
+        rewards = []
+        for ids, completion, row_question, row_answer in zip(completion_ids, completions, question,
+                                                             answer):
+            finished = bool(ids) and ids[-1] == tok.eos_token_id
+            if not finished:
+                rewards.append(0.0)
+                continue
+            if tools:
+                turns = [message["content"] for message in completion
+                         if message["role"] == "assistant"]
+            else:
+                turns = [tok.decode(ids[:-1])]
+            row = {"question": row_question, "answer": row_answer}
+            rewards.append(task.grade(row, None, turns, grader, None)[0])
+        current["tokens"] += sum(map(len, completion_ids))
+        current["rewards"] += rewards
+        return rewards
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            current.update(tokens=0, rewards=[], micro=[], start=time.perf_counter(),
+                           cpu=time.process_time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append({"seconds": time.perf_counter() - current.pop("start"),
+                          "cpu": time.process_time() - current.pop("cpu"),
+                          "tokens": current["tokens"],
+                          "trained": len(current["rewards"]),
+                          "reward": statistics.mean(current["rewards"]),
+                          "micro_tokens": current["micro"]})
+
+    config = trl.GRPOConfig(output_dir=os.path.dirname(spec_path), **spec["trl_config"])
+    trainer = trl.GRPOTrainer(model=policy, reward_funcs=reward, args=config, processing_class=tok,
+                              train_dataset=datasets.Dataset.from_list(spec["rows"]),
+                              callbacks=[Clock()], tools=tools or None)
+    if tools:
+        # a tool turn follows the model's <|im_end|> at once in the release and in ours
+        # (agent.tool_suffix_text); TRL cuts its suffix from the template's rendering, with the
+        # "\n" the template writes after <|im_end|>: dropped, so the model sees the tokens it was
+        # trained on
+        suffix_ids = trainer._get_tool_suffix_ids
+        newline = tok.encode("\n", add_special_tokens=False)
+
+        def release_suffix(tool_messages):
+            ids = suffix_ids(tool_messages)
+            return ids[len(newline):] if ids[:len(newline)] == newline else ids
+        trainer._get_tool_suffix_ids = release_suffix
+    compute_loss = trainer.compute_loss
+
+    def counted_loss(model, inputs, *args, **kwargs):
+        # each micro-batch's padded tokens, as ours counts them against max_tokens_per_micro
+        rows, prompt_width = inputs["prompt_ids"].shape
+        current["micro"].append(rows * (prompt_width + inputs["completion_ids"].shape[1]))
+        return compute_loss(model, inputs, *args, **kwargs)
+    trainer.compute_loss = counted_loss
+    trainer.train()
+    grader.close()
+    if pool:
+        pool.close()
+    with open(spec_path + ".out.json", "w") as f:
+        json.dump({"steps": steps,
+                   "trl": trl.__version__,
+                   "transformers": transformers.__version__,
+                   "torch": torch.__version__,
+                   "threads": torch.get_num_threads()}, f)
+    return 0
+
+
+# train_rl.py run with a CPU clock per step: the process's CPU seconds (all its threads: the
+# engine, the grader's, the update) from the loop's start (the Logger is made right before it) or
+# the last step's log or rollout dump, to this step's log. The sandbox's processes are not counted
+# (the TRL side's neither). Wall clocks mislead on a shared machine; CPU seconds much less so.
+OURS_CLOCK = """
+import runpy, sys, time
+import common, scheduler
+init = common.Logger.__init__
+log = common.Logger.log
+join_parts = scheduler.join_parts
+mark = [0.0]
+def timed_init(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    mark[0] = time.process_time()
+def timed_log(self, step, metrics):
+    metrics["bench/cpu_s"] = time.process_time() - mark[0]
+    log(self, step, metrics)
+    mark[0] = time.process_time()
+def timed_join(*args):
+    join_parts(*args)
+    mark[0] = time.process_time()
+common.Logger.__init__ = timed_init
+common.Logger.log = timed_log
+scheduler.join_parts = timed_join
+sys.argv = sys.argv[1:]
+runpy.run_path("train_rl.py", run_name="__main__")
+"""
+
+
+def ours_steps(args, run_dir):
+    """train_rl.py with args in a fresh process, one thread: per step its seconds (rollout +
+    grade wait + gather + update, its own clocks), CPU seconds (OURS_CLOCK), generated tokens,
+    trajectories trained, mean reward."""
+    p = subprocess.run([sys.executable, "-c", OURS_CLOCK, "train_rl.py", *args,
+                        f"--run_dir={run_dir}"],
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    if p.returncode != 0:
+        tail = (p.stdout + p.stderr)[-3000:]
+        raise RuntimeError(f"train_rl.py failed (rc {p.returncode}):\n{tail}")
+    rows = []
+    for m in data.read_metrics(run_dir):
+        seconds = m["time/rollout"] + m["time/grade_wait"] + m["time/gather"] + m["time/train"]
+        rows.append({"seconds": seconds,
+                     "cpu": m["bench/cpu_s"],
+                     "tokens": round(m["rollout/tok_per_s"] * m["time/rollout"]),
+                     "trained": m["roc/kept"],
+                     "reward": m["rollout/reward"]})
+    return rows
+
+
+def trl_side(trl_python, spec_path):
+    """TRL's steps for the spec, in a fresh process of trl_python, one thread."""
+    p = subprocess.run([trl_python, os.path.abspath(__file__), "trl", f"--trl_worker={spec_path}"],
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    if p.returncode != 0:
+        tail = (p.stdout + p.stderr)[-3000:]
+        raise RuntimeError(f"the TRL side failed (rc {p.returncode}):\n{tail}")
+    with open(spec_path + ".out.json") as f:
+        return json.load(f)
+
+
+def check_prompts(run_dir, steps, per_step, questions):
+    """The questions ours trained on, read back from its rollout dumps, are those TRL is given."""
+    for step in range(1, steps + 1):
+        path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
+        with gzip.open(path, "rt") as f:
+            seen = {json.loads(line)["question"] for line in f}
+        if seen != set(questions[(step - 1) * per_step:step * per_step]):
+            raise RuntimeError(f"step {step}: ours trained on other prompts than TRL is given")
+
+
+def trl_bench(trl_python, rounds, steps, micro_rows, model_path, data_path,
+              variants=("grpo", "roc", "tool", "tool_roc")):
+    """(trl) RL steps of ours (train_rl.py, one assistant turn, no tool) against TRL's GRPOTrainer
+    on the same work; each side a fresh process a round, one thread, interleaved: ours, TRL, ours,
+    TRL... variants: "grpo" (plain GRPO, G samples a prompt, all trained) and "roc" (ours: 2G
+    sampled, RoC keeps G; TRL, which has no RoC, samples 2G and trains them all).
+    TRL's venv (never the project's .venv): a CPU torch, our pinned transformers, the newest trl:
+        python3 -m venv /work/trl-venv
+        /work/trl-venv/bin/pip install torch==2.13.0 \\
+            --index-url https://download.pytorch.org/whl/cpu
+        /work/trl-venv/bin/pip install -r requirements.txt trl
+    """
+    unknown = set(variants) - {"grpo", "roc", "tool", "tool_roc"}
+    if unknown:
+        raise ValueError(f"unknown --trl_variants {sorted(unknown)}: choose from grpo, roc, tool, "
+                         f"tool_roc")
+    missing = trl_missing(trl_python)
+    if missing:
+        print(f"(trl) skipped: trl is not installed for {trl_python} ({missing}). Make its venv "
+              f"as bench.trl_bench's docstring says and pass --trl_python=<its python>.")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        copy_task = os.path.join(tmp, "copy_task.py")
+        with open(copy_task, "w") as f:
+            f.write(TRL_TASK)
+        base = ["configs/tiny_rl.py", f"--steps={steps}", f"--model_path={model_path}",
+                f"--data_path={data_path}", "--save_every=100000", "--dump_every=1"]
+        # without the tool: one assistant turn (max_turns 1 ends the episode at a tool call, as
+        # TRL's generation does); with it: tasks/math.py, multi-turn, the tool in our sandbox
+        single = [f"--task={copy_task}", "--max_turns=1"]
+        runs = {variant: {"args": base + ([] if variant.startswith("tool") else single)
+                          + [f"--roc={variant.endswith('roc')}"]} for variant in variants}
+        tok = transformers.AutoTokenizer.from_pretrained(model_path)
+        problems = read_jsonl(data_path)
+        for variant, run in runs.items():
+            cfg = run["cfg"] = train_rl_config(run["args"])
+            run["trl"], run["unequal"] = trl_config(cfg, micro_rows)
+            run["trl"]["max_steps"] = steps
+            run["sides"] = {"ours": [], "TRL": []}
+            # our data stream's first prompts (train_rl.prompt_at from cursor 0): each row's
+            # prompt as the task renders it, those within max_prompt_tokens, in the seed's order
+            # of epoch 0
+            task = grading.load_task(cfg["task"])
+            prompt_ids = [tok.encode(task.prompt(row), add_special_tokens=False)
+                          for row in problems]
+            fitting = [i for i, ids in enumerate(prompt_ids)
+                       if len(ids) <= cfg["max_prompt_tokens"]]
+            generator = torch.Generator().manual_seed(cfg["seed"])
+            order = torch.randperm(len(fitting), generator=generator).tolist()
+            stream = [fitting[i] for i in order[:steps * cfg["prompts_per_step"]]]
+            # TRL's prompt: the text itself, or with the tool the user's message, which TRL renders
+            # through the chat template (the release's: the same text, checked on its side)
+            tool = None
+            rows = [dict(problems[i], prompt=task.prompt(problems[i])) for i in stream]
+            if variant.startswith("tool"):
+                tool = {"timeout": cfg["tool_timeout"], "memory": cfg["tool_memory"],
+                        "isolation": cfg["tool_isolation"], "max_chars": cfg["tool_max_chars"]}
+                rows = [dict(problems[i],
+                             prompt=[{"role": "user", "content": problems[i]["question"]}])
+                        for i in stream]
+            run["questions"] = [problems[i]["question"] for i in stream]
+            run["spec"] = os.path.join(tmp, f"{variant}.json")
+            with open(run["spec"], "w") as f:
+                json.dump({"model_path": model_path,
+                           "task": cfg["task"],
+                           "tool": tool,
+                           "rows": rows,
+                           "prompt_ids": [prompt_ids[i] for i in stream],
+                           "trl_config": run["trl"]}, f)
+        cfg = runs[variants[0]]["cfg"]
+        print(f"(trl) {rounds} round(s) x {steps} RL steps a side and variant, each side a fresh "
+              f"process, one thread; {cfg['prompts_per_step']} prompts a step, "
+              f"{cfg['max_response_tokens']} new tokens at most, temperature "
+              f"{cfg['temperature']}, lr {cfg['lr']}, {model_path}. grpo, roc: one assistant "
+              f"turn, no tool, reward: the turn copies the question's expression "
+              f"(bench.TRL_TASK); tool, tool_roc: tasks/math.py with the tool (our sandbox on "
+              f"both sides), up to {runs[variants[-1]]['cfg']['max_turns']} turns", flush=True)
+        for round_index in range(rounds):
+            for variant, run in runs.items():
+                # ours, then TRL, right after: one round's two sides see the same load
+                run_dir = os.path.join(tmp, f"{variant}{round_index}")
+                ours = ours_steps(run["args"], run_dir)
+                if round_index == 0:
+                    check_prompts(run_dir, steps, run["cfg"]["prompts_per_step"], run["questions"])
+                out = trl_side(trl_python, run["spec"])
+                run["sides"]["ours"] += ours
+                run["sides"]["TRL"] += out["steps"]
+                run["versions"] = out
+                print(f"   round {round_index + 1} {variant}: ours "
+                      + ", ".join(f"{s['seconds']:.2f}" for s in ours) + " s | TRL "
+                      + ", ".join(f"{s['seconds']:.2f}" for s in out["steps"])
+                      + f" s | load average {load():.2f}", flush=True)
+    versions = runs[variants[0]]["versions"]
+    print(f"   TRL side: trl {versions['trl']}, transformers {versions['transformers']}, torch "
+          f"{versions['torch']}, {versions['threads']} thread(s); ours: torch "
+          f"{torch.__version__}, OMP_NUM_THREADS=1")
+    for variant, run in runs.items():
+        print_trl(variant, run, steps)
+    print_trl_terms(cfg, runs)
+    return 0
+
+
+def print_trl(variant, run, steps):
+    """One variant's table: medians over the steps after each process's first (its first step pays
+    one-time costs on both sides; with one step a process, every step counts). s: wall seconds,
+    cpu: the process's CPU seconds, ms/token: per generated token."""
+    print(f"\n   {variant}: {'side':<5} {'steps':>5} {'s/step':>7} {'cpu s':>6} {'tokens':>6} "
+          f"{'ms/token':>8} {'cpu ms/token':>12} {'trained':>7} {'reward':>6}  (medians)")
+    med = {}
+    for name, rows in run["sides"].items():
+        timed = [s for i, s in enumerate(rows) if steps == 1 or i % steps]
+        med[name] = {key: statistics.median(s[key] for s in timed)
+                     for key in ("seconds", "cpu", "tokens", "trained", "reward")}
+        med[name]["per_token"] = statistics.median(s["seconds"] / s["tokens"] for s in timed)
+        med[name]["cpu_per_token"] = statistics.median(s["cpu"] / s["tokens"] for s in timed)
+        m = med[name]
+        print(f"   {'':<{len(variant)}}  {name:<5} {len(timed):>5} {m['seconds']:>7.2f} "
+              f"{m['cpu']:>6.2f} {m['tokens']:>6.0f} {1000 * m['per_token']:>8.3f} "
+              f"{1000 * m['cpu_per_token']:>12.3f} {m['trained']:>7.0f} {m['reward']:>6.3f}")
+    ours = med["ours"]
+    trl = med["TRL"]
+    line = (f"   {variant}: ours / TRL x{trl['seconds'] / ours['seconds']:.2f} per step "
+            f"(CPU x{trl['cpu'] / ours['cpu']:.2f}), x{trl['per_token'] / ours['per_token']:.2f} "
+            f"per generated token (CPU x{trl['cpu_per_token'] / ours['cpu_per_token']:.2f})")
+    if steps > 1:
+        firsts = {name: statistics.median(s["seconds"] for s in rows[::steps])
+                  for name, rows in run["sides"].items()}
+        line += (f"; first steps apart: ours {firsts['ours']:.2f} s, TRL {firsts['TRL']:.2f} s, "
+                 f"x{firsts['TRL'] / firsts['ours']:.2f}")
+    print(line)
+
+
+def print_trl_terms(cfg, runs):
+    """What both sides share, and what they do not."""
+    micro = [t for run in runs.values() for s in run["sides"]["TRL"] for t in s["micro_tokens"]]
+    trl = next(iter(runs.values()))["trl"]
+    print(f"   equal: model, prompts and their tokens (checked), {cfg['max_response_tokens']} new "
+          f"tokens, temperature {cfg['temperature']}, top-p {cfg['top_p']}, no top-k, lr "
+          f"{cfg['lr']}, {cfg['warmup_steps']} warm-up steps, AdamW (weight decay "
+          f"{cfg['weight_decay']}), grad clip {cfg['grad_clip']}, no KL, clip "
+          f"{cfg['eps_low']}/{cfg['eps_high']}, token-mean loss over the step, std-scaled group "
+          f"advantages, one optimizer step, fp32, no activation checkpointing")
+    print(f"   not equal: micro-batches: ours token-balanced, at most "
+          f"{cfg['max_tokens_per_micro']} tokens padding included; TRL "
+          f"{trl['per_device_train_batch_size']} rows each (--trl_micro_rows), padded to the "
+          f"longest ({statistics.median(micro):.0f} tokens median, {max(micro)} most)")
+    print("   not equal: ours drops groups whose rewards are all equal before the update "
+          "(trained); TRL trains them with advantage 0. With RoC ours trains G of 2G, TRL all 2G")
+    print(f"   not equal: TRL's warm-up starts at lr 0, ours at lr / {cfg['warmup_steps']}; each "
+          f"side samples its own tokens, so tokens a step differ: ms/token divides by its own")
+    if any(variant.startswith("tool") for variant in runs):
+        print("   tool: the same prompt tokens (TRL renders them with the release's chat "
+              "template), sandbox, tool answers and turn tokens; not equal: TRL runs the calls "
+              "when the whole batch's generate ends, one call at a time, then generates again for "
+              "the rows that called, on their whole history; ours runs calls while other rows "
+              "decode and keeps each row's KV. TRL parses calls with trl's Qwen3 parser, ours "
+              "with agent.parse_tool_calls (a malformed call is answered differently)")
+    for run in runs.values():
+        for line in run["unequal"]:
+            print(f"   not mirrored: {line}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="engine vs transformers benchmarks (see the module docstring)")
     ap.add_argument("sections", nargs="*", default=["a", "l", "b", "k", "c"],
-                    help="a l b k c p u g (default: a l b k c), or sandbox alone")
+                    help="a l b k c p u g (default: a l b k c), or sandbox, trl alone")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 unless the cores are idle)")
     ap.add_argument("--reps", type=int, default=3, help="minimum timed rounds per measurement")
     ap.add_argument("--efficiency", type=float, default=None,
@@ -1481,10 +1964,23 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
     ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
                     "greedy_bf16, decode, graphs, rl); default all")
+    ap.add_argument("--trl_python", default="/work/trl-venv/bin/python",
+                    help="trl: the python of a venv with trl (bench.trl_bench's docstring)")
+    ap.add_argument("--trl_steps", type=int, default=2, help="trl: RL steps per process and side")
+    ap.add_argument("--trl_micro_rows", type=int, default=32,
+                    help="trl: TRL's rows per micro-batch")
+    ap.add_argument("--trl_variants", default="grpo,roc,tool,tool_roc",
+                    help="trl: any of grpo, roc, tool, tool_roc (comma-separated)")
+    ap.add_argument("--trl_worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.sections == ["gpu"]:
         sys.exit(gpu_bench(args.cpu, args.hbm_tbps, args.model_path, args.data_path, args.rl_steps, args.isolation,
                            args.out, set(filter(None, args.parts.split(",")))))
+    if args.trl_worker:  # the TRL side of (trl), in TRL's venv
+        sys.exit(trl_worker(args.trl_worker))
+    if args.sections == ["trl"]:
+        sys.exit(trl_bench(args.trl_python, args.reps, args.trl_steps, args.trl_micro_rows,
+                           args.model_path, args.data_path, args.trl_variants.split(",")))
     if args.sections == ["sandbox"]:  # no model involved
         sys.exit(sandbox_bench(args.isolation))
     if args.sections == ["mem"]:
