@@ -471,7 +471,8 @@ def _new_cgroup(root, own, name, memory, made):
         limits = {"memory.limit_in_bytes": memory, "memory.memsw.limit_in_bytes": memory}
     else:  # v2, on `root` itself or, on a hybrid host, on its unified/
         unified = root if os.path.exists(f"{root}/cgroup.controllers") else f"{root}/unified"
-        parent = pathlib.Path(f"{unified}{own['']}")
+        # (a process an earlier pool moved to its leaf, below: the leaf's parent is the group, not a leaf to nest in)
+        parent = pathlib.Path(f"{unified}{own['']}".removesuffix("/nano-rstar2-pool"))
         offered = (parent / "cgroup.controllers").read_text().split()
         if {"memory", "pids"} - set(offered):
             raise OSError(f"cgroup v2: {parent} offers {offered}, not memory and pids")

@@ -321,9 +321,12 @@ def holds_cap_sys_resource():
                     reason="pinning a call's oom_score_adj needs a root that holds CAP_SYS_RESOURCE")
 def test_a_call_cannot_lower_its_oom_score_adj():
     """A call reset its oom_score_adj from 1000 to 0, so that the OOM killer picked another process (its worker, the
-    trainer) first: set while the child still held CAP_SYS_RESOURCE, 1000 is now the least the kernel lets it set."""
-    code = ("try:\n    open('/proc/self/oom_score_adj', 'w').write('0')\nexcept OSError as e:\n    print(e.errno)\n"
-            "print(open('/proc/self/oom_score_adj').read().strip())")
+    trainer) first: set while the child still held CAP_SYS_RESOURCE, 1000 is now the least the kernel lets it set.
+    (The file is the call's own, so opening it succeeds; the kernel refuses the write, which a text file makes at
+    its close: inside the `with`, where the refusal is seen. A bare open().write() would close, and fail, in the
+    file's finalizer, which drops the error without a word.)"""
+    code = ("try:\n    with open('/proc/self/oom_score_adj', 'w') as f:\n        f.write('0')\nexcept OSError as e:\n"
+            "    print(e.errno)\nprint(open('/proc/self/oom_score_adj').read().strip())")
     with SandboxPool(workers=1) as pool:
         result = pool.map([code])[0]
     assert (result.status, result.stdout) == ("ok", "13\n1000\n"), result  # EACCES
