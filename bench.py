@@ -111,7 +111,6 @@ import grading
 import model as modeling
 import rollout
 import sandbox
-from checkpoint import compile_layers
 from common import read_jsonl
 from grpo_roc import policy_loss
 from model import collate, flash_attn_with_kvcache, load_model, token_logprobs
@@ -983,7 +982,7 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     together) and the output layer only where the loss mask is 1. Same loss, entropy and grad norm.
     Issue 45's arms, on now's micro-batches: "unfused" writes RMSNorm out as model.py did before (six ops and
     their backward where F.rms_norm is one: bitwise the same numbers), "compiled" runs
-    checkpoint.compile_layers, as the compile_update key does (inductor; its compile is timed apart, before
+    each decoder layer through inductor, as the compile_update key does (inductor; its compile is timed apart, before
     the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
     frozen reference's no_grad forward per micro-batch, then k3 in the loss; the reference's forward is timed
     on its own inside it."""
@@ -996,7 +995,9 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     torch.manual_seed(0)
     model = Qwen(cfg)
     compiled = copy.deepcopy(model)
-    compile_layers(compiled)
+    # what load_trainable(compiled=True) does (the compile_update key)
+    for layer in compiled.model.layers:
+        layer.compile(dynamic=True)
     # the reference: frozen (train_rl.py: load_trainable(..., frozen=True)); the starting weights plus a little
     # noise, so the KL is not 0 as it is at a run's first step
     reference = Qwen(cfg)

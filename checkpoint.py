@@ -55,16 +55,23 @@ def latest_checkpoint(run_dir, weights=False):
     return found[-1] if found else None
 
 
-def load_trainable(path, device, dtype, activation_checkpointing=False, frozen=False, compiled=False):
+def load_trainable(path, device, dtype, activation_checkpointing=False, compiled=False, frozen=False):
     """The model to train, fp32 master weights: under torchrun FSDP2 shards (dtype = compute dtype), each
     rank reading only its own part of the checkpoint; else one plain fp32 copy. A checkpoint's own shards
     (state/) are read when it has them, else its HF weights. Build the optimizer after this: FSDP
     replaces the parameters it shards. frozen=True: a reference model, sharded the same way but its
     weights kept in dtype (bf16: half the memory of fp32 master weights), without gradients.
-    compiled=True: compile_layers (below), before fully_shard, as FSDP2 expects."""
+    compiled=True: each decoder layer through inductor (torch.compile; on a CPU it builds C++ with gcc),
+    before fully_shard, as FSDP2 expects, so its element-wise chains (RMSNorm, the q/k norms, RoPE, SwiGLU)
+    run forward and backward as a few fused kernels instead of dozens of passes over the activations;
+    matmuls and attention stay torch's. Shapes are dynamic (micro-batches differ in rows and length) and the
+    layers share one graph, so the first update pays the one compile (tens of seconds on a CPU; more under
+    FSDP2). Fusion reorders some sums: gradients equal the eager path's within float tolerance, not bitwise
+    (tests/test_model.py). The state dict's names are unchanged."""
     model = load_model(path, device="meta", dtype=dtype if frozen else torch.float32)
     if compiled:
-        compile_layers(model)
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
     if dist.is_initialized():
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
     if os.path.isdir(os.path.join(path, "state")):
@@ -76,17 +83,6 @@ def load_trainable(path, device, dtype, activation_checkpointing=False, frozen=F
         load_weights(model, path, device)
     model.gradient_checkpointing = activation_checkpointing
     return model.requires_grad_(False) if frozen else model.train()
-
-
-def compile_layers(model):
-    """Each decoder layer through inductor (torch.compile; on a CPU it builds C++ with gcc), so its element-wise
-    chains (RMSNorm, the q/k norms, RoPE, SwiGLU) run forward and backward as a few fused kernels instead of
-    dozens of passes over the activations; matmuls and attention stay torch's. Shapes are dynamic (micro-batches
-    differ in rows and length) and the layers share one graph, so the first update pays the one compile (tens
-    of seconds on a CPU; more under FSDP2). Fusion reorders some sums: gradients equal the eager path's within
-    float tolerance, not bitwise (tests/test_model.py). The state dict's names are unchanged."""
-    for layer in model.model.layers:
-        layer.compile(dynamic=True)
 
 
 def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, keep=0):

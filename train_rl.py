@@ -239,7 +239,7 @@ if probe.stdout.strip() != "42":
 # (rollout_model, the engine's), built empty: sync_rollout_model fills it before the first rollout (reading
 # the checkpoint once, not twice)
 init_path = start or model_path
-model = load_trainable(init_path, device, ptdtype, activation_checkpointing, compiled=compile_update)
+model = load_trainable(init_path, device, ptdtype, activation_checkpointing, compile_update)
 rollout_model = load_model(init_path, device="meta",
                            dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
 rollout_model.decode_mode = decode_mode

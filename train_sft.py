@@ -216,8 +216,6 @@ if __name__ == "__main__":
     weight_decay = 0.0
     grad_clip = 1.0
     activation_checkpointing = False
-    # the decoder layers through inductor (checkpoint.load_trainable): fused element-wise chains
-    compile_update = False
     dtype = "float32"  # compute dtype: "bfloat16" on GPU
     log_every = 10
     seed = 0
@@ -265,8 +263,7 @@ if __name__ == "__main__":
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
 
-    model = load_trainable(model_path, device, getattr(torch, dtype), activation_checkpointing,
-                           compiled=compile_update)
+    model = load_trainable(model_path, device, getattr(torch, dtype), activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch

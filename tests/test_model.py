@@ -592,7 +592,7 @@ def test_fused_rms_norm_is_bitwise_the_written_out_form(dtype):
 
 @pytest.mark.slow
 def test_compiled_blocks_give_the_eager_gradients(tmp_path):
-    """checkpoint.load_trainable(compiled=True) (compile_layers, inductor; the compile_update key): the same
+    """checkpoint.load_trainable(compiled=True) (inductor; the compile_update key): the same
     parameter names as the eager model, and the update's loss and gradients equal the eager path's within float tolerance, on micro-batches of two shapes (one compile serves both: dynamic shapes), with and without activation
     checkpointing; the compiled layers really run (the compiler's frame counter moves)"""
     import torch._dynamo
