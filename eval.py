@@ -241,12 +241,11 @@ def keep_by_correct(problems, per_problem, fewest, most):
 if __name__ == "__main__":
     import contextlib
 
-    import numpy as np
     import torch
     from transformers import AutoTokenizer
 
     from checkpoint import latest_checkpoint
-    from common import barrier, compute_cleanup, compute_init, print0, read_jsonl, resolve_model, write_jsonl
+    from common import barrier, compute_cleanup, compute_init, print0, resolve_model, write_jsonl
     from configurator import configure
     from model import load_model
     from rollout import Engine, kv_rows
@@ -315,12 +314,7 @@ if __name__ == "__main__":
         task_module = grading.load_task(task)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"config error: {e}")
-    try:
-        problems = read_jsonl(data_path,
-                              required=lambda row: grading.row_task(row, task_module).COLUMNS)
-    except (ValueError, FileNotFoundError) as e:
-        # a bad line, or a task file a row names that is not there
-        raise SystemExit(f"data error: {e}")
+    problems = grading.read_problems(data_path, task_module)
 
     if limit < 0 or samples < 1:
         raise SystemExit(
@@ -333,12 +327,8 @@ if __name__ == "__main__":
     if not problems:
         raise SystemExit(f"eval error: {data_path} has no problems")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # each prompt tokenized once (int32: a list of ints takes ~9x the memory), then shared by its samples
-    prompt_ids = [
-        np.asarray(tokenizer.encode(grading.row_task(problem, task_module).prompt(problem),
-                                    add_special_tokens=False),
-                   np.int32)
-        for problem in problems]
+    # each prompt tokenized once, then shared by its samples
+    prompt_ids = grading.tokenize_prompts(problems, task_module, tokenizer)
     too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
     if too_long and not (keep_unsolved or keep_solved):
         raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than "

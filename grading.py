@@ -372,5 +372,24 @@ def rollout_seam(row, default):
     return {"tools": task.TOOLS, "environment": make and functools.partial(make, row)}
 
 
+def read_problems(path, task):
+    """A data file's problems, each with the columns of its task (the one a row names, else `task`); a missing
+    file, a bad line or a task file a row names that is not there ends the run with an error naming it."""
+    from common import read_jsonl  # here, not at the top: the math-verify helper runs this file without torch
+    try:
+        return read_jsonl(path, required=lambda row: row_task(row, task).COLUMNS)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"data error: {e}")
+
+
+def tokenize_prompts(problems, task, tokenizer):
+    """Each problem's prompt, rendered by its task and tokenized once, kept as int32 (a Python list of ints takes
+    ~9x the memory: 42K prompts, on every rank)."""
+    import numpy
+    return [numpy.asarray(tokenizer.encode(row_task(row, task).prompt(row), add_special_tokens=False),
+                          numpy.int32)
+            for row in problems]
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--helper"]:
     _serve_helper(int(sys.argv[2]))

@@ -352,7 +352,11 @@ class Qwen(nn.Module):
         weight = self.model.embed_tokens.weight
         t = torch.arange(T, device=weight.device)
         flash = use_flash(weight.device, weight.dtype)
-        if attention_mask is None and not flash:
+        # no mask, or one sequence a row, right-padded (as collate pads them): plain causal attention is exact
+        # for every real token (its row's padding comes after it), and SDPA skips the blocks above the diagonal
+        # (~6% of an RL update on the CPU)
+        if not flash and (attention_mask is None
+                          or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all()):
             positions = t.expand(B, T)
             att = dict(flash=False, mask=None)
         else:

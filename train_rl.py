@@ -46,7 +46,7 @@ import grpo_roc
 from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
                         save_checkpoint)
 from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
-                    print0, read_jsonl, resolve_model)
+                    print0, resolve_model)
 from configurator import configure
 from model import collate, full_value, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
@@ -178,20 +178,8 @@ ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 packed = use_flash(device, ptdtype)
 tokenizer = AutoTokenizer.from_pretrained(model_path)
-try:
-    problems = read_jsonl(data_path,
-                          required=lambda row: grading.row_task(row, task_module).COLUMNS)
-except (ValueError, FileNotFoundError) as e:
-    # names the file and line (or the task file a row names)
-    raise SystemExit(f"data error: {e}")
-
-# each prompt rendered by the task and tokenized once, kept as int32 (a Python list of ints takes ~9x the
-# memory: 42K prompts, every rank)
-prompt_ids = [
-    np.asarray(tokenizer.encode(grading.row_task(problem, task_module).prompt(problem),
-                                add_special_tokens=False),
-               np.int32)
-    for problem in problems]
+problems = grading.read_problems(data_path, task_module)
+prompt_ids = grading.tokenize_prompts(problems, task_module, tokenizer)
 # each problem's task by name (tasks/math.py: "math"), and every tool the tasks offer (the metrics count calls
 # per tool)
 task_names = [grading.row_task(p, task_module).__name__ for p in problems]

@@ -83,6 +83,10 @@ def test_matches_transformers_on_padded_batch(pair):
     with torch.no_grad():
         alone = F.log_softmax(ours(ids[0:1, 5:]), -1)
     assert (alone[0] - got[0, 5:]).abs().max() < 1e-4
+    # right padding alone (how collate pads an update's micro-batch) takes plain causal attention, no mask
+    with torch.no_grad():
+        right = F.log_softmax(ours(ids[1:], mask[1:]), -1)
+    assert (right[real[1:]] - ref[1:][real[1:]]).abs().max() < 1e-4
 
 
 def test_packed_segments_equal_separate_runs(pair):
