@@ -1372,11 +1372,18 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
                            timeout=600)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
-            return {"failed": f"rc {p.returncode}", "tail": (p.stdout + p.stderr)[-3000:]}
+            return {"failed": f"train_rl.py failed (rc {p.returncode})", "tail": (p.stdout + p.stderr)[-3000:]}
         keys = {"reward": "rollout/reward", "kept": "roc/kept", "grad_norm": "loss/grad_norm", "tool_calls": "tool/calls",
                 "response_len": "rollout/response_len", "t_rollout": "time/rollout", "t_train": "time/train",
                 "tok_per_s": "rollout/tok_per_s"}  # its report's names: train_rl.py's metrics.jsonl keys
-        return {"wall_s": wall, "steps": [{k: m.get(v) for k, v in keys.items()} for m in data.read_metrics(run_dir)]}
+        steps = [{k: m.get(v) for k, v in keys.items()} for m in data.read_metrics(run_dir)]
+        report = {"wall_s": wall, "steps": steps, "updated": sum(bool(s["kept"]) for s in steps)}
+        # what the section is for: an update on the GPU. A model that earns no reward (every group's rewards
+        # equal, as the first GPU run's 1-epoch SFT model) leaves nothing to train, and says so
+        if not (dry or report["updated"]):
+            report["failed"] = (f"no step updated the weights: {model_path} earned no reward in any group. Carry a "
+                                f"trained model (out/tiny-sft and out/data from `bash run.sh`'s first two stages)")
+        return report
 
 
 def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts):
@@ -1468,14 +1475,15 @@ def print_gpu_decode(flash, rows):
 def print_gpu_rl(rl):
     if "steps" not in rl:
         print(f"5. RL steps: {rl}")
-        if "failed" in rl:
-            raise RuntimeError(f"train_rl.py failed ({rl['failed']})")
-        return
-    for i, s in enumerate(rl["steps"], 1):
-        print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm']:.2f} | "
+    for i, s in enumerate(rl.get("steps", ()), 1):
+        print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm'] or 0:.2f} | "
               f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
-              f"train {s['t_train']:.2f} s")
-    print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included)")
+              f"train {s['t_train'] or 0:.2f} s")
+    if "steps" in rl:
+        print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included); {rl['updated']} of "
+              f"{len(rl['steps'])} step(s) updated the weights")
+    if "failed" in rl:
+        raise RuntimeError(f"RL steps: {rl['failed']}")
 
 
 # (trl): an RL step of train_rl.py against TRL's GRPOTrainer on the same work. TRL lives in its own
