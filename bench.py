@@ -1473,15 +1473,17 @@ def print_gpu_decode(flash, rows):
 
 
 def print_gpu_rl(rl):
-    if "steps" not in rl:
+    steps = rl.get("steps")
+    if steps is None:  # skipped, or train_rl.py failed
         print(f"5. RL steps: {rl}")
-    for i, s in enumerate(rl.get("steps", ()), 1):
-        print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm'] or 0:.2f} | "
-              f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
-              f"train {s['t_train'] or 0:.2f} s")
-    if "steps" in rl:
+    else:
+        for i, s in enumerate(steps, 1):
+            # a step that updated nothing logs no grad norm and no update time
+            print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm'] or 0:.2f} | "
+                  f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
+                  f"train {s['t_train'] or 0:.2f} s")
         print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included); {rl['updated']} of "
-              f"{len(rl['steps'])} step(s) updated the weights")
+              f"{len(steps)} step(s) updated the weights")
     if "failed" in rl:
         raise RuntimeError(f"RL steps: {rl['failed']}")
 
