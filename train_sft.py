@@ -324,9 +324,10 @@ if __name__ == "__main__":
             loss_sum = torch.zeros((), device=device)
             for micro_bin in bins[rank::world]:
                 micro_batch = collate([batch[index] for index in micro_bin], device, packed)
+                # the output layer runs on the trained (assistant) tokens alone: log-probs are 0 elsewhere
                 logprobs = token_logprobs(model, micro_batch["ids"], micro_batch["tgt"],
-                                          micro_batch["seg"])  # (1, N)
-                loss = -(logprobs * micro_batch["mask"]).sum() / max(1, n_tokens)
+                                          micro_batch["seg"], where=micro_batch["mask"] > 0)
+                loss = -logprobs.sum() / max(1, n_tokens)
                 # FSDP averages over ranks; we already divided by the global count
                 (loss * world).backward()
                 loss_sum += loss.detach()
@@ -341,10 +342,9 @@ if __name__ == "__main__":
             step += 1
 
             # 6. logging: metrics.jsonl every step, a progress line every log_every steps
-            # a DTensor norm made whole: a collective, every rank calls it
-            grad_norm = full_value(grad_norm)
-            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now, "grad_norm": float(grad_norm),
-                              "skipped": skipped})
+            # the gradient norm: a DTensor made whole (a collective, every rank calls it)
+            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now,
+                              "grad_norm": float(full_value(grad_norm)), "skipped": skipped})
             if step % log_every == 0 or step == total:
                 print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
                        f"dt {time.perf_counter() - step_start:.2f}s")
