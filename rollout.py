@@ -255,7 +255,7 @@ class Pager:
             # another sample of the prompt just admitted: it shares that prefill and needs only its growth
             fresh = not row.traj.response_ids
             twin = (fresh and todo
-                    and todo[-1].row.traj.response_ids == []
+                    and not todo[-1].row.traj.response_ids
                     and todo[-1].ids == row.pending)
             need = self.cache.pages(self.reserved(row, share))
             # first come, first served: a later row never overtakes an earlier one that does not fit

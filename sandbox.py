@@ -75,7 +75,7 @@ says how, step by step; each is a test in tests/test_sandbox_fresh.py, run as ro
 What a call can see (sandbox_worker.view(); every path read-only but its own tmpfs, under its host name):
   the interpreter (executable, standard library, pyvenv.cfg), the top-level directories of numpy,
   scipy, sympy, mpmath and what they require (numpy/, numpy.libs/, ...: not the rest of site-packages),
-  each shared library these link (found with ldd), /etc/ld.so.cache, /etc/localtime, /dev/null, zero
+  each shared library these link (as the loader finds it), /etc/ld.so.cache, /etc/localtime, /dev/null, zero
   and urandom, sandbox_worker.py alone, the worker's /proc, and /tmp/call, a fresh tmpfs per call.
 What it cannot see: anything else of the host: home directories, the checkout, the run's data,
   checkpoints and outputs (wherever they are, the host's /tmp included), /srv, /opt, /mnt, the trainer and
@@ -127,7 +127,7 @@ What it does not protect against:
     (setsid) can outlive the call.
 Needs Linux >= 5.3 (pidfd; for a cgroup on v2, a kernel that checks a move into a cgroup against the credentials
 and cgroup namespace that opened cgroup.procs: 5.16, and the stable kernels since early 2022, CVE-2021-4197),
-bubblewrap, libseccomp with its Python bindings (pyseccomp), ldd, as root a writable
+bubblewrap, libseccomp with its Python bindings (pyseccomp), as root a writable
 /run (the uid claims' lock files stay there, one per block used), and, as a normal user, user namespaces open to
 unprivileged processes (bwrap makes one; where a policy forbids it, e.g. Ubuntu 24.04's
 kernel.apparmor_restrict_unprivileged_userns, the pool refuses to start in bwrap's own words).

@@ -143,7 +143,7 @@ tis_cap = 0.0
 mismatch_band = 0.0
 dtype = "float32"  # compute dtype: "bfloat16" on GPU
 # io
-save_every = 20  # a checkpoint every N steps, and at the last
+save_every = 20  # a checkpoint every N steps, and at the last (0: only at the last)
 # HF weights (what eval.py loads) in every N-th save; 0: only the last step's (the rest: shards)
 save_hf_every = 0
 # the newest N checkpoints stay (0: all); those with HF weights are never deleted
@@ -571,7 +571,7 @@ while step < steps:
     # 5. the rollouts' dump and the checkpoint, every so many steps
     if dump_every and (step % dump_every == 0 or step == 1):
         dump_step(step, mine, groups)
-    if step % save_every == 0 or step == steps:
+    if save_every and step % save_every == 0 or step == steps:
         # the Hugging Face copy beside the shards: at the last step and every save_hf_every-th save
         with_hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
         save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer,

@@ -81,9 +81,11 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
 
 @pytest.mark.parametrize("overlay", ["configs/dr_grpo.py", "configs/gspo.py"])
 def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
-    rl(sft, tmp_path / "r", "--steps=2", overlay)
+    # save_every=0: one checkpoint, the last step's (it divided by zero before)
+    rl(sft, tmp_path / "r", "--steps=2", overlay, "--save_every=0")
     metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and any(m["loss/grad_norm"] > 0 for m in metrics)
+    assert [p for p in os.listdir(tmp_path / "r") if p.startswith("step_")] == ["step_000002"]
 
 
 def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
