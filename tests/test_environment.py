@@ -21,6 +21,7 @@ import data
 import grading
 import train_sft
 import view
+import zygote
 from common import write_jsonl
 from model import load_model
 from rollout import Engine, Request, iter_claim
@@ -233,8 +234,7 @@ def test_grid_traces_come_from_the_real_environment():
 # ----------------------------------------------------------------------------- the worked example, end to end
 
 def script(*args):
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = zygote.run(args, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 

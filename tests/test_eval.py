@@ -17,6 +17,7 @@ import grading
 from rollout import Trajectory
 from scheduler import summarize
 from tasks import math as math_task
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,13 +181,12 @@ def tiny(tmp_path_factory):
 
 
 def run_eval(tiny, out_dir, *extra, ranks=1):
-    launch = [sys.executable] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    # one process: a child of the zygote (tests/zygote.py); torchrun: a real process
+    launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     cmd = launch + ["eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
                     f"--data_path={tiny / 'data' / 'heldout.jsonl'}", f"--out_dir={out_dir}", "--samples=2",
                     "--max_response_tokens=48", "--tool_workers=1", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = zygote.run(cmd, env=None if ranks == 1 else {}, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     return p
 

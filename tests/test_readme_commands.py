@@ -19,28 +19,23 @@ A command fails the test naming its page and line: when it exits non-zero, when 
 trailing comment names (`# out/data/sft_calculator.jsonl`) is not there after it, and when its kind
 has no TOY entry (so a new kind of command in the text makes this file say how to shrink it).
 
-Cheap (~20 commands, ~30 s of CPU): one "zygote" process imports torch, transformers and this
+Cheap (~20 commands, ~30 s of CPU): one "zygote" process (tests/zygote.py) imports torch, transformers and this
 project's modules once, then forks a child per command, with its own process, argv, cwd and output
 as `python script.py` gives them, but without the ~3 s of CPU the imports cost a script on a 2-core
 box. A child that runs past TIMEOUT is killed with every process it started.
 """
-import atexit
 import glob
-import importlib
 import json
 import os
 import re
-import runpy
 import shlex
 import shutil
 import signal
-import subprocess
-import sys
-import threading
 import time
-import traceback
 
 import pytest
+
+from zygote import Zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -218,90 +213,20 @@ def test_the_parser_finds_blocks_continuations_and_wrapped_inline_code():
 
 # ------------------------------------------------------------------ the zygote
 
-# what the scripts import: imported once by the zygote, before it forks a child per command
-PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "transformers", "pyarrow.parquet",
-           "agent", "checkpoint", "common", "configurator", "data", "grading", "grpo_roc", "model",
-           "rollout", "sandbox", "scheduler"]
-
-
-def serve():
-    """The zygote: import PRELOAD, then for each job on stdin ({"argv", "log", "timeout"}) fork a
-    child that runs the script as `python argv...` would, and answer {"rc"} on stdout."""
-    sys.path[0] = ROOT  # where `python script.py` finds the flat modules: the script's real folder
-    for module in PRELOAD:
-        importlib.import_module(module)
-    for line in sys.stdin:
-        job = json.loads(line)
-        deadline = time.time() + job["timeout"]
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            run_script(job)
-        # wait for the child; at the deadline kill its process group (with the sandbox and grader
-        # processes it started)
-        done, status = os.waitpid(pid, os.WNOHANG)
-        while not done and time.time() < deadline:
-            time.sleep(0.02)
-            done, status = os.waitpid(pid, os.WNOHANG)
-        if not done:
-            os.killpg(pid, signal.SIGKILL)
-            done, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-
-
-def run_script(job):
-    """In the forked child: its own process group, stdout and stderr to the job's log, stdin empty,
-    the script as __main__, then the exit Python makes (the traceback or SystemExit's message
-    printed, threads joined, atexit handlers run, streams flushed) but for the teardown of the
-    modules: freeing what the zygote imported would copy its pages, ~1 s a command. Never
-    returns."""
-    os.setsid()
-    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.stdout.reconfigure(line_buffering=True)  # a killed child's log keeps what it printed
-    sys.argv = job["argv"]
-    code = 0
-    try:
-        runpy.run_path(job["argv"][0], run_name="__main__")
-    except SystemExit as e:
-        # sys.exit("a message"): the message printed, exit code 1, as Python does
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 class Checkout:
-    """The scratch checkout and its zygote: run(argv) runs one script there and returns its exit
-    code and output."""
+    """The scratch checkout and its zygote (tests/zygote.py): run(argv) runs one script there and returns
+    its exit code and output, kept in command_NN.log."""
 
     def __init__(self, path):
         self.path = path
         self.count = 0
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        self.zygote = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=path,
-                                       env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True)
+        self.zygote = Zygote(cwd=path, env={"HF_HUB_OFFLINE": "1"})
 
     def run(self, argv, timeout=TIMEOUT):
         self.count += 1
         log = os.path.join(self.path, f"command_{self.count:02d}.log")
-        self.zygote.stdin.write(json.dumps({"argv": argv, "log": log, "timeout": timeout}) + "\n")
-        self.zygote.stdin.flush()
-        answer = self.zygote.stdout.readline()
-        assert answer, f"the zygote died (exit {self.zygote.wait()})"
-        return json.loads(answer)["rc"], open(log, encoding="utf-8", errors="replace").read()
+        p = self.zygote.run(argv, timeout=timeout, log=log)
+        return p.returncode, p.stdout
 
     def run_demo(self, argv):
         rc, output = self.run(argv)
@@ -309,8 +234,7 @@ class Checkout:
                         f"{output[-3000:]}"
 
     def close(self):
-        self.zygote.stdin.close()
-        self.zygote.wait(timeout=60)
+        self.zygote.close()
 
 
 def write_download(path, fixture, columns):
@@ -399,6 +323,3 @@ def test_a_failing_command_fails_with_its_exit_code_and_words(checkout):
         time.sleep(0.05)
     assert not alive(int(output)), output
 
-
-if __name__ == "__main__":
-    serve()

@@ -3,16 +3,12 @@ was. Every check that can refuse a run (the checkpoint to resume, the data, the 
 comes before metrics.jsonl is trimmed or a rollout dump deleted (issues #43 and #46)."""
 import gzip
 import os
-import subprocess
-import sys
 
 import pytest
 
 import data
+import zygote
 from sandbox import SandboxPool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def train_rl(d, run_dir, *extra, env=None):
     """train_rl.py on the tiny config, sized down: 2 prompts × 4 samples of 32 tokens a step, from the untrained
@@ -20,8 +16,7 @@ def train_rl(d, run_dir, *extra, env=None):
     args = ["train_rl.py", "configs/tiny_rl.py", f"--model_path={d}/base", f"--data_path={d}/data/train.jsonl",
             f"--run_dir={run_dir}", "--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
             "--max_response_tokens=32", "--tool_workers=1", "--save_every=2", "--dump_every=1", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    return zygote.run(args, env=env)
 
 
 @pytest.fixture(scope="module")

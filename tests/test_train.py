@@ -16,16 +16,18 @@ import agent
 import data
 import grading
 import view
+import zygote
 from sandbox import SandboxPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(*args, ranks=1, check=True, env=None):
-    launch = [sys.executable] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    p = subprocess.run(launch + list(args), cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    # one process without an environment of its own: a child of the zygote (tests/zygote.py); else a real one
+    launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    if ranks > 1:
+        env = env or {}
+    p = zygote.run(launch + list(args), env=env)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
