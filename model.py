@@ -536,7 +536,7 @@ class Qwen(nn.Module):
             return self.run(input_ids, pos, att)
         if self.decode_mode != "compile":
             raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static or compile")
-        self.compiled = self.compiled or torch.compile(self.run)
+        self.compiled = self.compiled or torch.compile(self.run, fullgraph=True)
         return self.compiled(input_ids, pos, att)
 
 

@@ -45,7 +45,6 @@ import hashlib
 import itertools
 import math
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -252,9 +251,9 @@ class Pager:
         share = self.share(rows)
         todo = []
         for row in sorted(waiting, key=lambda row: row.seq):
-            # another sample of the prompt just admitted: it shares that prefill and needs only its growth
-            fresh = not row.traj.response_ids
-            twin = (fresh and todo
+            # another sample of the prompt just admitted (both with no response yet): it shares that prefill and
+            # needs only its growth
+            twin = (not row.traj.response_ids and todo
                     and not todo[-1].row.traj.response_ids
                     and todo[-1].ids == row.pending)
             need = self.cache.pages(self.reserved(row, share))
@@ -631,8 +630,7 @@ class Engine:
         traj = row.traj
         # every call's record gets its answer: status, duration and the text the model will read; a call still
         # unanswered at the deadline is answered "timeout" (its late answer, if any, is never read)
-        late = types.SimpleNamespace(status="timeout", stdout="", stderr="", value="",
-                                     duration=self.call_timeout)
+        late = agent.ToolResult("timeout", "", duration=self.call_timeout)
         for record, future in row.calls:
             if future is not None:
                 result = future.result() if future.done() else late

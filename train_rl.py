@@ -326,12 +326,15 @@ n_rows = kv_rows(rollout_model, max_len, kv_capacity, kv_fraction, limit=rollout
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems,
                         sandbox=sandbox)
-engine = Engine(rollout_model, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
-                max_rows=rollouts_per_rank, reserve="auto" if kv_reserve is None else kv_reserve,
-                temperature=temperature, top_p=top_p, seed=seed,
-                sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
-                tool_max_chars=tool_max_chars, deterministic=deterministic,
-                tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+try:
+    engine = Engine(rollout_model, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
+                    max_rows=rollouts_per_rank, reserve="auto" if kv_reserve is None else kv_reserve,
+                    temperature=temperature, top_p=top_p, seed=seed,
+                    sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
+                    tool_max_chars=tool_max_chars, deterministic=deterministic,
+                    tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
+except ValueError as e:  # a setting the engine refuses (kv_reserve out of [0, 1], ...)
+    raise SystemExit(f"config error: {e}")
 # every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
 # made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:

@@ -72,12 +72,13 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
         # the data file is not there
         "data": ([f"--data_path={tmp_path}/missing.jsonl"], None, "data error: "),
         # a setting the engine refuses, checked after the checkpoint has loaded
-        "engine": (["--kv_reserve=2.0"], None, "reserve"),
+        "engine": (["--kv_reserve=2.0"], None, "config error: reserve (train_rl's kv_reserve)"),
     }
     for name, (extra, env, says) in refusals.items():
         out = train_rl(made, run_dir, "--steps=4", "--resume=true", *extra, env=env)
         assert state(run_dir) == before, name
         assert out.returncode != 0 and says in out.stderr, (name, out.stdout[-1000:], out.stderr[-2000:])
+        assert "Traceback" not in out.stderr, (name, out.stderr[-2000:])
     # the same resume that may run: the rows and dumps after step 2 go, those up to it stay
     out = train_rl(made, run_dir, "--steps=2", "--resume=true")
     assert out.returncode == 0 and f"resumed from {run_dir}/step_000002 at step 2" in out.stdout, out.stderr[-2000:]
