@@ -30,13 +30,14 @@ gets the list as arguments:
     covered by an empty tmpfs);
   - the distributions in RICH_DISTS (numpy, scipy, sympy, mpmath) and what they require: only the
     top-level files and directories their RECORD lists (numpy/, numpy.libs/, ...), not site-packages;
-  - the shared libraries all of these link, as the loader resolves them (its `--list`, ldd's way), each file on its own;
+  - the shared libraries all of these link, as the loader resolves them (its `--list`, ldd's way), each file on
+    its own;
   - /etc/ld.so.cache and /etc/localtime; /dev/null, /dev/zero, /dev/urandom (and /dev/fd, /dev/stdin,
     ... as links into /proc/self); this file, on its own;
   - a fresh /proc of the worker's pid namespace and a read-only /tmp holding only /tmp/call.
 Every path is bound read-only under the name the host uses for it (tracebacks read as usual), from the file it
-names (a link is followed on the host, so the loader finds each library where its listing found it). Nothing else of the
-host is there: no home directories, no checkout, no run data, nothing of the host's /tmp.
+names (a link is followed on the host, so the loader finds each library where its listing found it). Nothing else
+of the host is there: no home directories, no checkout, no run data, nothing of the host's /tmp.
 """
 
 import ast
@@ -620,8 +621,8 @@ def view(dists=RICH_DISTS):
         sos += [f"{dynload}/{n}" for n in os.listdir(dynload) if ".so" in n]
     with open("/proc/self/maps") as f:
         loader = next(path for path in f.read().split() if os.path.basename(path).startswith("ld-"))
-    out = subprocess.run(["sh", "-c", 'for f; do "$0" --list "$f"; done', loader, *sos],
-                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
+    out = subprocess.run(["sh", "-c", 'for f; do "$0" --list "$f"; done', loader, *sos], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"})
     # lines: "\tlibz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)", "\t/usr/lib/.../ld-linux-x86-64.so.2 (0x...)"
     # and, for the interpreter, "\t/lib64/ld-linux-x86-64.so.2 => /usr/lib/.../ld-linux-x86-64.so.2 (0x...)": every
     # path on them, spaces and all (a library's, and the name an executable asks for its loader by); "=> not found"

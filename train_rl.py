@@ -328,7 +328,8 @@ grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=probl
                         sandbox=sandbox)
 try:
     engine = Engine(rollout_model, tokenizer, kv_capacity=n_rows * max_len, max_len=max_len,
-                    max_rows=rollouts_per_rank, reserve="auto" if kv_reserve is None else kv_reserve,
+                    max_rows=rollouts_per_rank,
+                    reserve="auto" if kv_reserve is None else kv_reserve,
                     temperature=temperature, top_p=top_p, seed=seed,
                     sandbox=sandbox, max_turns=max_turns, max_calls_per_turn=max_calls_per_turn,
                     tool_max_chars=tool_max_chars, deterministic=deterministic,

@@ -10,6 +10,7 @@ import data
 import zygote
 from sandbox import SandboxPool
 
+
 def train_rl(d, run_dir, *extra, env=None):
     """train_rl.py on the tiny config, sized down: 2 prompts × 4 samples of 32 tokens a step, from the untrained
     base model (the run directory is what these tests look at, not what the model learns)."""

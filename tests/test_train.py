@@ -24,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(*args, ranks=1, check=True, env=None):
     # one process without an environment of its own: a child of the zygote (tests/zygote.py); else a real one
-    launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    launch = [] if ranks == 1 else \
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     if ranks > 1:
         env = env or {}
     p = zygote.run(launch + list(args), env=env)

@@ -67,7 +67,8 @@ def run_script(job):
     os.setsid()
     os.chdir(job["cwd"])
     out = os.open(job["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    err = out if job["err"] == job["out"] else os.open(job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = out if job["err"] == job["out"] else \
+        os.open(job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
