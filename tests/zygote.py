@@ -32,6 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = ["numpy", "torch", "torch.distributed.checkpoint", "transformers", "pyarrow.parquet",
            "agent", "checkpoint", "common", "configurator", "data", "grading", "grpo_roc", "model",
            "rollout", "sandbox", "scheduler"]
+# the environment the zygotes start with: this process's as it was imported (at collection), before any test
+# changed it (a zygote keeps its environment for every command it runs)
+ENVIRON = dict(os.environ)
 
 
 def serve():
@@ -102,7 +105,7 @@ class Zygote:
         self.logs = tempfile.mkdtemp(prefix="zygote-")
         self.count = 0
         self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], cwd=cwd,
-                                        env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                                        env=dict(ENVIRON, OMP_NUM_THREADS="1", **(env or {})),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, argv, timeout=600, log=None):
