@@ -8,8 +8,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
-import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,6 +21,7 @@ import agent
 import data
 from common import read_jsonl, write_jsonl as common_write_jsonl
 from tasks import math as math_task
+import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -259,8 +258,7 @@ def test_convert_command_line(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.parquet"
     write_jsonl(a, [{"problem": "P", "answer": 7}])
     pq.write_table(pa.table({"question": ["Q"], "answer": ["x^2"]}), b)
-    p = subprocess.run([sys.executable, "data.py", "convert", str(a), str(b), str(tmp_path / "o.jsonl")], cwd=ROOT,
-                       capture_output=True, text=True)
+    p = zygote.run(["data.py", "convert", str(a), str(b), str(tmp_path / "o.jsonl")])
     assert p.returncode == 0, p.stderr
     assert "wrote 2 problems" in p.stdout
     assert read_out(tmp_path / "o.jsonl") == [{"question": "P", "answer": "7"}, {"question": "Q", "answer": "x^2"}]
@@ -269,8 +267,7 @@ def test_convert_command_line(tmp_path):
 def test_task_data_commands_run(tmp_path):
     # the README's "Fork it" commands for a task file, at toy sizes: the code task's set, then a task's SFT traces
     def command(*args):
-        p = subprocess.run([sys.executable, "data.py", *args, f"--data_dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+        p = zygote.run(["data.py", *args, f"--data_dir={tmp_path}"], timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         return p.stdout
     assert "code_train 3, code_heldout 2" in command("code-set", "--n_train=3", "--n_heldout=2")

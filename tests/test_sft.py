@@ -4,9 +4,6 @@ generation markers; "rstar2" files rendered and ordered exactly as before; mix w
 file:line; and a short SFT run on a mix of both kinds that lowers the loss on each."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import agent
 import data
 import train_sft
 from model import collate, load_model, token_logprobs
+import zygote
 from sandbox import SandboxPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,12 +278,13 @@ def sft(tiny, out, ranks=1):
     """Run train_sft.py on a mix of the tiny rStar2 traces and 12 chat conversations; returns (out, chat file)."""
     chat = write(tiny / "chat.jsonl", chat_conversations(12))
     launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    p = subprocess.run(
-        [sys.executable, *launch, "train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
+    # one process: a child of the zygote (tests/zygote.py); torchrun: a real process
+    p = zygote.run(
+        [*launch, "train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
          f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.0), ('{chat}', 'chat', 1.0)]",
          f"--chat_template={ROOT}/configs/chat_template_qwen.jinja", f"--out_dir={out}", "--epochs=6",
          "--batch_size=8", "--lr=1e-2", "--max_seq_len=1024", "--log_every=1000"],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+        env=None if ranks == 1 else {}, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "0 conversation(s) longer than 1024 tokens skipped" in p.stdout
     return out, chat
