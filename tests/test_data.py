@@ -5,7 +5,6 @@ benchmark converter on each layout it claims (parquet and JSONL) and on malforme
 import contextlib
 import io
 import json
-import os
 import random
 import statistics
 import traceback
@@ -22,8 +21,6 @@ import data
 from common import read_jsonl, write_jsonl as common_write_jsonl
 from tasks import math as math_task
 import zygote
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 REF = Path(__file__).resolve().parent / "fixtures"  # copies of the released template and tool schema
 
