@@ -277,14 +277,13 @@ def mean_nll(model_dir, tok, path, fmt):
 def sft(tiny, out, ranks=1):
     """Run train_sft.py on a mix of the tiny rStar2 traces and 12 chat conversations; returns (out, chat file)."""
     chat = write(tiny / "chat.jsonl", chat_conversations(12))
-    launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     # one process: a child of the zygote (tests/zygote.py); torchrun: a real process
     p = zygote.run(
-        [*launch, "train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
+        ["train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
          f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.0), ('{chat}', 'chat', 1.0)]",
          f"--chat_template={ROOT}/configs/chat_template_qwen.jinja", f"--out_dir={out}", "--epochs=6",
          "--batch_size=8", "--lr=1e-2", "--max_seq_len=1024", "--log_every=1000"],
-        env=None if ranks == 1 else {}, timeout=300)
+        timeout=300, ranks=ranks)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "0 conversation(s) longer than 1024 tokens skipped" in p.stdout
     return out, chat

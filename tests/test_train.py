@@ -24,11 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(*args, ranks=1, check=True, env=None):
     # one process without an environment of its own: a child of the zygote (tests/zygote.py); else a real one
-    launch = [] if ranks == 1 else \
-        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    if ranks > 1:
-        env = env or {}
-    p = zygote.run(launch + list(args), env=env)
+    p = zygote.run(args, env=env, ranks=ranks)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p

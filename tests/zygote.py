@@ -8,8 +8,8 @@ handlers run, streams flushed), so the test sees what a fresh process gives.
 
 What a child cannot have that a fresh process has: environment variables that a module reads when it is
 imported (HF_HUB_OFFLINE, HF_HUB_CACHE, OMP_NUM_THREADS, ...). A command with its own environment therefore
-runs as a real process (`run`'s env); the others go to one zygote per test process (`run`, started on first
-use). tests/test_readme_commands.py runs the README's commands through its own, in a scratch checkout.
+runs as a real process (`run`'s env), as do torchrun's (`run`'s ranks); the others go to one zygote per test
+process (`run`, started on first use). tests/test_readme_commands.py runs the README's commands through its own, in a scratch checkout.
 
     python tests/zygote.py     # the zygote itself: jobs on stdin, one JSON line each
 """
@@ -137,12 +137,15 @@ class Zygote:
 _shared = []
 
 
-def run(argv, env=None, timeout=600):
-    """`python argv...` in the repository: a real process when env (variables added to this one's) is
-    given, else a child of this test process's zygote. Returns a subprocess.CompletedProcess."""
-    if env is not None:
+def run(argv, env=None, timeout=600, ranks=1):
+    """`python argv...` in the repository: a child of this test process's zygote; a real process when env
+    (variables added to this one's) is given, or under torchrun on `ranks` > 1 processes. Returns a
+    subprocess.CompletedProcess."""
+    if ranks > 1:
+        argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *argv]
+    if env is not None or ranks > 1:
         return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", **env), timeout=timeout)
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout=timeout)
     if not _shared:
         _shared.append(Zygote())
         atexit.register(_shared[0].close)
