@@ -83,13 +83,15 @@ def sample(self, rows, temperature):
 
 rollout.Engine.sample = sample
 
-# faults, chosen by REHEARSAL_FAULT=kind:step (tests/test_rehearsal.py):
+# faults, chosen by a first argument --fault=kind:step (tests/test_rehearsal.py), which train_rl.py does not see:
 #   kill:N    rank 0 dies (SIGKILL's exit code) in the middle of the checkpoint save of step N
 #   enospc:N  the save of step N fails on every rank: the disk is full
 #   stop:N    rank 1 stops itself (SIGSTOP) when step N's rollouts begin: the other ranks wait at the gather;
 #             it is continued 25 s later (past the test's dist_timeout_s), so torchrun need not wait out its
 #             grace period to kill a stopped process
-fault, _, at = os.environ.get("REHEARSAL_FAULT", "").partition(":")
+fault, at = "", ""
+if len(sys.argv) > 1 and sys.argv[1].startswith("--fault="):
+    fault, _, at = sys.argv.pop(1).removeprefix("--fault=").partition(":")
 if fault in ("kill", "enospc"):
     import torch.distributed.checkpoint as dcp
     _save = dcp.save

@@ -181,11 +181,11 @@ def tiny(tmp_path_factory):
 
 
 def run_eval(tiny, out_dir, *extra, ranks=1):
-    # one process: a child of the zygote (tests/zygote.py); torchrun: a real process
+    # one process: a child of the zygote (tests/zygote.py); more: under the real torchrun
     cmd = ["eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
            f"--data_path={tiny / 'data' / 'heldout.jsonl'}", f"--out_dir={out_dir}", "--samples=2",
            "--max_response_tokens=48", "--tool_workers=1", *extra]
-    p = zygote.run(cmd, timeout=300, ranks=ranks)
+    p = zygote.run(cmd, timeout=300, ranks=ranks, torchrun=ranks > 1)
     assert p.returncode == 0, p.stdout + p.stderr
     return p
 

@@ -18,10 +18,8 @@ import pytest
 from safetensors.torch import load_file
 
 import data
+import zygote
 from sandbox import SandboxPool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -33,13 +31,13 @@ def tiny(tmp_path_factory):
 
 
 def rehearse(d, run_dir, *extra, fault="", check=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/rehearsal.py",
-           "configs/tiny_rl.py", f"--model_path={d}/base", f"--data_path={d}/data/train.jsonl", f"--run_dir={run_dir}",
+    # two ranks forked by the zygote (tests/zygote.py), as torchrun would start them
+    cmd = ["tests/rehearsal.py", *([f"--fault={fault}"] if fault else []), "configs/tiny_rl.py",
+           f"--model_path={d}/base", f"--data_path={d}/data/train.jsonl", f"--run_dir={run_dir}",
            "--prompts_per_step=4", "--samples_per_prompt=4", "--keep_per_prompt=2", "--max_response_tokens=128",
            "--max_turns=2", "--max_calls_per_turn=1", "--tool_timeout=1.0", "--tool_workers=2", "--lr=1e-3",
            "--warmup_steps=1", "--save_every=2", "--dump_every=1", "--rollout_split=dynamic", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", REHEARSAL_FAULT=fault))
+    p = zygote.run(cmd, timeout=300, ranks=2)
     assert p.returncode == 0 or not check, p.stdout[-3000:] + p.stderr[-5000:]
     return p
 

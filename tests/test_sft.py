@@ -277,7 +277,7 @@ def mean_nll(model_dir, tok, path, fmt):
 def sft(tiny, out, ranks=1):
     """Run train_sft.py on a mix of the tiny rStar2 traces and 12 chat conversations; returns (out, chat file)."""
     chat = write(tiny / "chat.jsonl", chat_conversations(12))
-    # one process: a child of the zygote (tests/zygote.py); torchrun: a real process
+    # children of the zygote (tests/zygote.py), one a rank
     p = zygote.run(
         ["train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
          f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.0), ('{chat}', 'chat', 1.0)]",

@@ -22,9 +22,9 @@ from sandbox import SandboxPool
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, ranks=1, check=True, env=None):
-    # one process without an environment of its own: a child of the zygote (tests/zygote.py); else a real one
-    p = zygote.run(args, env=env, ranks=ranks)
+def run(*args, ranks=1, check=True, env=None, torchrun=False):
+    # without an environment of its own, children of the zygote (tests/zygote.py), one a rank; else real processes
+    p = zygote.run(args, env=env, ranks=ranks, torchrun=torchrun)
     if check:
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
@@ -48,11 +48,11 @@ def sft(tmp_path_factory):
     return d
 
 
-def rl(d, run_dir, *extra, ranks=1):
+def rl(d, run_dir, *extra, **how):
     return run("train_rl.py", "configs/tiny_rl.py", f"--model_path={d}/sft", f"--data_path={d}/data/rl.jsonl",
                f"--run_dir={run_dir}", "--prompts_per_step=4", "--samples_per_prompt=8", "--keep_per_prompt=4",
                "--max_response_tokens=96", "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1", "--save_every=2", "--save_hf_every=1",
-               *extra, ranks=ranks)
+               *extra, **how)
 
 
 def weights(path):
@@ -71,8 +71,8 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
     start = weights(sft / "sft")
     assert any(not torch.equal(a[k], start[k]) for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)  # 4 straight == 2 + resume + 2, bit for bit
-    # two gloo ranks (FSDP2 + dynamic rollout claiming) end where one process ends
-    rl(sft, tmp_path / "c", "--steps=2", ranks=2)
+    # two gloo ranks (FSDP2 + dynamic rollout claiming) end where one process ends; under the real torchrun
+    rl(sft, tmp_path / "c", "--steps=2", ranks=2, torchrun=True)
     one, two = weights(tmp_path / "a" / "step_000002"), weights(tmp_path / "c" / "step_000002")
     for k in one:
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
