@@ -9,9 +9,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # `bash run.sh test` runs the suite on two pytest workers that take whole files, the next file in collection order
 # whenever one is nearly done (-n 2 --dist loadfile --no-loadscope-reorder). The files that take longest go first,
 # so that no worker is handed one of them at the end while the other has nothing left; then the rest by their
-# number of tests, the most first (xdist's own order). In place on the 2-core AMD EPYC at e135353 these three took
-# 221, 206 and 147 s of the suite's 1,063 s of tests; replayed from those durations, this order ends the two
-# workers at ~530 s each, xdist's own at 554 and 510 s.
+# number of tests, the most first (xdist's own order). In place on the 2-core AMD EPYC at f65b57a these three took
+# 252, 167 and 141 s of the suite's 1,039 s of tests; replayed from those durations, this order ends the two
+# workers at ~520 s each, xdist's own at 572 and 467 s.
 LONGEST_FIRST = ["test_train.py", "test_rehearsal.py", "test_environment.py"]
 
 
