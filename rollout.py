@@ -134,10 +134,12 @@ class Feed:
     copies: list = field(default_factory=list)
 
 
-def row_generator(seed, key, device):
-    """A generator seeded from (seed, step, prompt index, sample index) — never from batch position."""
+def row_generator(seed, key):
+    """A generator seeded from (seed, step, prompt index, sample index) — never from batch position. On the
+    CPU whatever the model runs on: a GPU run draws what a CPU run draws, and a decode step on a GPU launches
+    no kernel per row for its draws (sample)."""
     digest = hashlib.sha256(repr((seed,) + tuple(key)).encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 # reserve="auto": the response share (of the budget) assumed for a row of the run that has not finished yet
@@ -483,7 +485,7 @@ class Engine:
             if prompt_len + 1 > self.max_len:
                 raise ValueError(
                     f"prompt of {prompt_len} tokens does not fit max_len {self.max_len}")
-            generator = row_generator(self.seed, request.key, self.device)
+            generator = row_generator(self.seed, request.key)
             row = Row(request, free.pop(), generator, min(budget, self.max_len - prompt_len),
                       seq=next(self.pager.seq))
             rows[row.slot] = row
@@ -552,10 +554,9 @@ class Engine:
                 sorted_probs, sorted_ids = probs.sort(-1, descending=True)
                 sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
                 probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs)
-            # inverse-CDF sampling: one uniform draw per row, from the row's own generator
+            # inverse-CDF sampling: one uniform draw per row (B,), from the row's own generator (on the CPU)
             cdf = probs.cumsum(-1)
-            uniform = torch.cat([torch.rand(1, generator=row.gen, device=self.device)
-                                 for row in rows])  # (B,)
+            uniform = torch.cat([torch.rand(1, generator=row.gen) for row in rows]).to(self.device)
             tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])  # (B, 1)
             # a draw past the last cumulative value (rounding) takes the last token
             tokens.clamp_(max=probs.shape[-1] - 1)
