@@ -6,8 +6,6 @@ import functools
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -26,8 +24,6 @@ from common import write_jsonl
 from model import load_model
 from rollout import Engine, Request, iter_claim
 from sandbox import SandboxPool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GRID = grading.load_task("tasks/gridworld.py")
 MATH = grading.load_task("tasks/math.py")
@@ -450,8 +446,7 @@ def test_referee_traces_hold_the_replies_the_engine_appends(tiny, tmp_path):
     # Referee's real reply to the turn before it
     for args in (["guess-set", "--n_train=8", "--n_heldout=2"],
                  ["traces", "--task=tasks/guess.py", f"--problems={tmp_path}/guess_train.jsonl", "--n_sft=8"]):
-        subprocess.run([sys.executable, "data.py", *args, f"--data_dir={tmp_path}"], cwd=ROOT, check=True,
-                       capture_output=True)
+        script("data.py", *args, f"--data_dir={tmp_path}")
     traces = rows_of(tmp_path / "sft_guess.jsonl")
     # train_sft.py's "rstar2" format takes them: every line passes its checks
     assert len(traces) == len(train_sft.index_file(str(tmp_path / "sft_guess.jsonl"), "rstar2")) == 8

@@ -5,9 +5,6 @@ same numbers; two ranks: the same numbers again)."""
 import itertools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,8 +15,6 @@ from rollout import Trajectory
 from scheduler import summarize
 from tasks import math as math_task
 import zygote
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- pass@k and maj@k
@@ -271,12 +266,10 @@ def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
 def test_script_bad_input_is_named(tiny, tmp_path):
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
-    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}", f"--data_path={bad}"],
-                       cwd=ROOT, capture_output=True, text=True)
+    p = zygote.run(["eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}", f"--data_path={bad}"])
     assert p.returncode != 0 and "bad.jsonl:1: field 'answer' must be str" in p.stderr
-    p = subprocess.run([sys.executable, "eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
-                        f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"],
-                       cwd=ROOT, capture_output=True, text=True)
+    p = zygote.run(["eval.py", "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
+                    f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--max_prompt_tokens=8"])
     assert p.returncode != 0 and "longer than max_prompt_tokens=8" in p.stderr
 
 
