@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import json
 import os
+import random
 import runpy
 import shutil
 import signal
@@ -64,10 +65,7 @@ def serve():
         for path in {job["out"], job["err"]}:
             open(path, "w").close()
         sys.stdout.flush()
-        # a free port for rank 0's rendezvous (torchrun --standalone picks one the same way)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         running = []
         for rank in range(ranks):
             pid = os.fork()
@@ -98,6 +96,20 @@ def serve():
                 running = []
             time.sleep(0.02)
         print(json.dumps({"rc": rc}), flush=True)
+
+
+def free_port():
+    """A port for rank 0's rendezvous, free now and below the kernel's ephemeral range (32768-60999 unless set
+    otherwise), which the ports of the connections and listeners made meanwhile (gloo's, the other pytest
+    worker's) come from: none of them can take it in the seconds before rank 0 binds it."""
+    while True:
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:  # in use
+                continue
 
 
 def run_script(job):
