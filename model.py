@@ -24,6 +24,7 @@ Loading a 14B model on many ranks without a full copy per rank:
 """
 
 import functools
+import itertools
 import json
 import math
 import os
@@ -199,7 +200,7 @@ def attend(q, k, v, att, layer_idx):
     # in pages the row does not hold, which belong to other rows); real, a mask, selects them (all, decoding)
     news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
     # the pool's pages and their tokens as one axis of slots: (slots, Hkv, hd) flash's, (Hkv, slots, hd) SDPA's
-    d = cache.page_dim - 1
+    d = cache.page_dim
     for c, new in zip((kc, vc), news):
         c.flatten(d, d + 1).index_copy_(d, att["slots"], new.transpose(0, d))
     # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
@@ -457,8 +458,9 @@ class Qwen(nn.Module):
                              f"in {int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more "
                              f"(max_len {cache.max_len}): grow the row first")
         weight = self.model.embed_tokens.weight
-        if (cache.k.dtype, cache.k.device) != (weight.dtype, weight.device):
-            raise ValueError(f"KV cache is {cache.k.dtype} on {cache.k.device}, the model runs "
+        pool = cache.layers[0][0]
+        if (pool.dtype, pool.device) != (weight.dtype, weight.device):
+            raise ValueError(f"KV cache is {pool.dtype} on {pool.device}, the model runs "
                              f"{weight.dtype} on {weight.device}")
         dev = weight.device
         # a decode step at static shapes: see static_step
@@ -583,8 +585,8 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
 class KVCache:
     """A paged KV cache: one pool of fixed-size pages shared by num_rows sequences of up to max_len tokens.
 
-    self.k[i] / self.v[i] is layer i's pool: (num_pages, page_size, n_kv_heads, head_dim), flash-attn's paged
-    layout, when it decodes; else (n_kv_heads, num_pages, page_size, head_dim), from which SDPA's path
+    self.layers[i] is layer i's pair of pools, keys and values: (num_pages, page_size, n_kv_heads, head_dim),
+    flash-attn's paged layout, when it decodes; else (n_kv_heads, num_pages, page_size, head_dim), from which SDPA's path
     gathers a head's pages into contiguous keys, whole pages at a time (`gather`). Row r's pages, in order, are
     table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at slot t % page_size.
     A row takes pages as it grows (`grow`) and returns them when it is done (`release`); who gets memory
@@ -612,17 +614,16 @@ class KVCache:
         # one page more than the rows can hold: a static decode step writes its padding rows' tokens into it
         pages = self.num_pages + 1
         pool = (pages, page_size, Hkv, hd) if self.flash else (Hkv, pages, page_size, hd)
-        self.page_dim = 1 if self.flash else 2  # the pages' axis of self.k / self.v
-        self.k = torch.zeros((L, *pool), device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        # layer i's pools (k, v) as views of their own: inductor writes a compiled step's tokens into these in
-        # place, but copies a pool whole when the step indexes the layer itself (x15 slower than eager at
-        # batch 32)
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
+        self.page_dim = 0 if self.flash else 1  # the pages' axis of a pool
+        # each pool its own tensor: a compiled decode step (Qwen.static_step) writes its tokens into them in place,
+        # where it copied all layers' pools, whole, every step when they were views of one tensor (x25 slower than
+        # eager at batch 32 with 304 MiB of KV on the CPU, 2 s a step with 2.4 GiB)
+        self.layers = [[torch.zeros(pool, device=device, dtype=dtype) for _ in "kv"]
+                       for _ in range(L)]
         # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, a (places, 2)
         # tensor of each place's row and tokens), set by model.forward_cached
         self.kept = [None] * L
-        self.buffers = [self.k.new_empty(0) for _ in range(L)]
+        self.buffers = [torch.empty(0, device=device, dtype=dtype) for _ in range(L)]
         self.last = None
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         # unused entries: page 0, never written
@@ -661,8 +662,8 @@ class KVCache:
         if n % self.page_size:
             self.grow(dst, n)
             # src's last page, dst's own copy of it
-            pages = self.table[[src, dst], full].to(self.k.device)
-            for pool in (self.k, self.v):
+            pages = self.table[[src, dst], full].to(self.layers[0][0].device)
+            for pool in itertools.chain(*self.layers):
                 pool.index_copy_(self.page_dim, pages[1:],
                                  pool.index_select(self.page_dim, pages[:1]))
         self.lengths[dst] = n
@@ -675,7 +676,7 @@ class KVCache:
         second copy of the decoding rows' keys and values. (At batch 64 of bench.py's model, the gather this
         replaced, of the pages in flash-attn's layout into a fresh tensor, took ~1.7x as long as one gather
         here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
-        (Hkv, _, ps, hd), (B, P) = self.k.shape[1:], table.shape
+        (Hkv, _, ps, hd), (B, P) = self.layers[layer][0].shape, table.shape
         if stale is not None:
             for pool, buf in zip(self.layers[layer], self.kept[layer] if len(stale) else ()):
                 # (Hkv, stale rows, P, ps, hd)
@@ -683,7 +684,7 @@ class KVCache:
             return self.kept[layer]
         n = Hkv * B * P * ps * hd
         if self.buffers[layer].numel() < 2 * n:
-            self.buffers[layer] = self.k.new_empty(2 * n)
+            self.buffers[layer] = self.buffers[layer].new_empty(2 * n)
         bufs = self.buffers[layer][:2 * n].view(2, Hkv, B * P, ps, hd)  # keys, values
         for pool, buf in zip(self.layers[layer], bufs):
             torch.index_select(pool, 1, table.flatten(), out=buf)

@@ -392,7 +392,9 @@ def check_decoding(ours, page_size):
         assert cache.free_pages() == cache.num_pages and not any(cache.refs)
         # k and v, 2 layers, 5 rows of ceil(24 / page_size) pages + the spare page of static decode steps, fp32
         slots = (5 * cache.pages(24) + 1) * page_size
-        assert cache.k.nbytes + cache.v.nbytes == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+        pools = [pool for layer in cache.layers for pool in layer]
+        assert sum(pool.nbytes for pool in pools) == 2 * 2 * slots * ours.cfg.num_key_value_heads * ours.cfg.head_dim * 4
+        assert len({pool.data_ptr() for pool in pools}) == 4  # each pool its own tensor (static_step writes in place)
 
 
 def check_pages(ours, page_size):
@@ -496,7 +498,7 @@ def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
         check_batched_prefill(ours, page_size=256)
         check_pages(ours, page_size=256)
     pool_layout = (256, ours.cfg.num_key_value_heads, ours.cfg.head_dim)  # (page_size, Hkv, hd)
-    assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32, page_size=256).k.shape[2:] == pool_layout
+    assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32, page_size=256).layers[0][0].shape[1:] == pool_layout
 
 
 def test_load_in_bf16_and_config(pair):
