@@ -585,10 +585,11 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=10
 class KVCache:
     """A paged KV cache: one pool of fixed-size pages shared by num_rows sequences of up to max_len tokens.
 
-    self.layers[i] is layer i's pair of pools, keys and values: (num_pages, page_size, n_kv_heads, head_dim),
-    flash-attn's paged layout, when it decodes; else (n_kv_heads, num_pages, page_size, head_dim), from which SDPA's path
-    gathers a head's pages into contiguous keys, whole pages at a time (`gather`). Row r's pages, in order, are
-    table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at slot t % page_size.
+    self.layers[i] is layer i's pair of pools, keys and values, each (num_pages, page_size, n_kv_heads,
+    head_dim), flash-attn's paged layout, when it decodes; else (n_kv_heads, num_pages, page_size, head_dim),
+    from which SDPA's path gathers a head's pages into contiguous keys, whole pages at a time (`gather`). Row
+    r's pages, in order, are table[r, :npages[r]]: token t of the row lives in page table[r, t // page_size] at
+    slot t % page_size.
     A row takes pages as it grows (`grow`) and returns them when it is done (`release`); who gets memory
     when the pool runs short is the caller's decision (rollout.Pager picks and preempts rows). Pages are counted by
     reference: the samples of one prompt hold the prompt's full pages together (`share`), and a row only
@@ -616,7 +617,7 @@ class KVCache:
         pool = (pages, page_size, Hkv, hd) if self.flash else (Hkv, pages, page_size, hd)
         self.page_dim = 0 if self.flash else 1  # the pages' axis of a pool
         # each pool its own tensor: a compiled decode step (Qwen.static_step) writes its tokens into them in place,
-        # where it copied all layers' pools, whole, every step when they were views of one tensor (x25 slower than
+        # where it copied all layers' pools, whole, every step when they were views of one tensor (x27 slower than
         # eager at batch 32 with 304 MiB of KV on the CPU, 2 s a step with 2.4 GiB)
         self.layers = [[torch.zeros(pool, device=device, dtype=dtype) for _ in "kv"]
                        for _ in range(L)]

@@ -21,6 +21,7 @@ import data
 import zygote
 from sandbox import SandboxPool
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("rehearsal")
