@@ -1294,13 +1294,15 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
-    batch, which captures its graphs, is timed apart; the tokens of both sides compared. --cpu: "static" (the
-    same steps run eagerly: a CPU has no graphs)."""
+    batch, which captures its graphs, is timed apart; the tokens of both sides compared. On a GPU also "compile"
+    (decode_mode "compile": the same steps through inductor, its first run, which compiles, apart). --cpu: "static"
+    (the same steps run eagerly: a CPU has no graphs)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
-    mode = "static" if dry else "graphs"
+    # the sides besides eager
+    others = ("static",) if dry else ("graphs", "compile")
     g = torch.Generator().manual_seed(4)
     rows = []
     for B in batches:
@@ -1311,7 +1313,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
         graphed = GraphedSteps(ours)  # this engine's graphs (they write into its cache)
 
         def run(n, side):
-            ours.decode_mode = "eager" if side == "eager" else "static"
+            ours.decode_mode = side if side in ("eager", "compile") else "static"
             if side == "graphs":
                 ours.static_step = graphed
             try:
@@ -1322,10 +1324,13 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                 ours.decode_mode = "eager"
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
-        t0 = time.perf_counter()
-        static_tokens = run(new, mode)  # captures (or compiles) each bucket's step
-        first_s = time.perf_counter() - t0
-        sides = ("eager", mode)
+        first_s, same = {}, {}
+        for side in others:
+            t0 = time.perf_counter()
+            tokens = run(new, side)  # captures (or compiles) each bucket's step
+            first_s[side] = time.perf_counter() - t0
+            same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
+        sides = ("eager", *others)
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
@@ -1334,15 +1339,14 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             tok_s = B * (new - 1) / decode_s
             rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
                              roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
-                             first_run_s=first_s if side == mode else None,
-                             same_tokens=sum(a == b for a, b in zip(eager_tokens, static_tokens)), rows=B))
+                             first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B))
         del engine
     del ours
     return rows
 
 
 def print_gpu_graphs(rows):
-    print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs on a GPU, run eagerly on --cpu):")
+    print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on --cpu):")
     print(f"   {'batch':>5} {'side':<8} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
     for r in rows:
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
@@ -1350,8 +1354,9 @@ def print_gpu_graphs(rows):
         print(f"   {r['batch']:>5} {r['side']:<8} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
               f"{first:>11} {r['same_tokens']}/{r['rows']}")
     for B in sorted({r["batch"] for r in rows}):
-        eager, static = [r for r in rows if r["batch"] == B]
-        print(f"   batch {B}: {static['side']} / eager x{eager['ms_per_step'] / static['ms_per_step']:.2f} per step")
+        eager, *others = [r for r in rows if r["batch"] == B]
+        print(f"   batch {B}: " + ", ".join(f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
+                                         for r in others) + " per step")
 
 
 def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
