@@ -65,7 +65,7 @@ def serve():
         for path in {job["out"], job["err"]}:
             open(path, "w").close()
         sys.stdout.flush()
-        port = free_port()
+        port = free_port() if ranks > 1 else None
         running = []
         for rank in range(ranks):
             pid = os.fork()
