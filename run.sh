@@ -27,8 +27,8 @@ if [ "${1:-}" = test ]; then
   shift
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tests run side by side with sandbox workers
   # two pytest workers, each taking whole test files (a file's fixtures are made once), the longest files first
-  # (tests/conftest.py orders them): on 2 cores 1,060 s of tests end in ~600 s; `bash run.sh test -n 0` runs it
-  # in one process (e.g. to see -s output)
+  # (tests/conftest.py orders them): on 2 cores ~1,040 s of tests end in ~9.5 min; `bash run.sh test -n 0` runs
+  # it in one process (e.g. to see -s output)
   exec .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 fi
 exec .venv/bin/python demo.py "$@"
