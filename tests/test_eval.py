@@ -274,18 +274,20 @@ def test_script_bad_input_is_named(tiny, tmp_path):
 
 
 def test_memory_per_extra_sample_stays_under_2_kb(tiny, tmp_path):
-    """8x the problems (64 -> 512, 8 samples each: 3,584 more trajectories of 32 tokens), save_trajectories=false:
-    peak RSS grows by at most 2 KB a sample. Before, the grader kept every grade's future until its results()
-    (~1.9 KB each with its lock and deque, scattered across the malloc arena, which then fragmented): 5.6 KB a
-    sample (10.8 KB with 128-token answers); measured after: +1.0 MiB here (0.3 KB a sample). With 4x (64 -> 256)
-    the CI read +3.0 MiB once, 2.0 KB a sample: a peak's noise of a few MiB, so the test asks for more samples."""
+    """32x the problems (64 -> 2,048, 8 samples each: 15,872 more trajectories of 8 tokens, 128 rows at a
+    time), save_trajectories=false: peak RSS grows by at most 2 KB a sample. Before, the grader kept every
+    grade's future until its results() (~1.9 KB each with its lock and deque, scattered across the malloc
+    arena, which then fragmented): with that back, +50.8 MiB here (3.4 KB a sample); as it is, +7 to +12 MiB
+    (0.5-0.8 KB: each sample's Summary, each problem's prompt and row). A process's peak RSS moves by a few
+    MiB from run to run (the CI once read +8.8 MiB at 64 -> 512, 2.5 KB a sample), so the test spreads that
+    over many short samples."""
     import data
     peak = {}
-    for n in (64, 512):
+    for n in (64, 2048):
         path = tmp_path / f"p{n}.jsonl"
         write_jsonl(path, data.make_problems(n, seed=n))
-        run_eval(tiny, tmp_path / f"e{n}", f"--data_path={path}", "--samples=8", "--max_response_tokens=32",
-                 "--max_prompt_tokens=64", f"--kv_capacity={32 * (64 + 32)}", "--save_trajectories=false")
+        run_eval(tiny, tmp_path / f"e{n}", f"--data_path={path}", "--samples=8", "--max_response_tokens=8",
+                 "--max_prompt_tokens=64", f"--kv_capacity={128 * (64 + 8)}", "--save_trajectories=false")
         peak[n] = json.load(open(tmp_path / f"e{n}" / "summary.json"))["peak_rss_mib"]
-    extra_samples = (512 - 64) * 8
-    assert (peak[512] - peak[64]) * 2**20 / extra_samples <= 2048, peak
+    extra_samples = (2048 - 64) * 8
+    assert (peak[2048] - peak[64]) * 2**20 / extra_samples <= 2048, peak
