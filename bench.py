@@ -87,6 +87,7 @@ import contextlib
 import functools
 import gzip
 import io
+import itertools
 import json
 import math
 import os
@@ -1295,14 +1296,18 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
     batch, which captures its graphs, is timed apart; the tokens of both sides compared. On a GPU also "compile"
-    (decode_mode "compile": the same steps through inductor, its first run, which compiles, apart). --cpu: "static"
-    (the same steps run eagerly: a CPU has no graphs)."""
+    (decode_mode "compile": the same steps through inductor, its first run, which compiles, apart) and
+    "reduce-overhead": the same steps compiled with torch.compile's own CUDA graphs (mode="reduce-overhead", its
+    graph trees), the KV pools marked as static addresses so the graphs may write into them in place (else
+    inductor skips graphs for a step that mutates its inputs). If that matches GraphedSteps, model.py's
+    "compile" can take CUDA graphs for a mode argument, where GraphedSteps costs ~215 code tokens. --cpu:
+    "static" (the same steps run eagerly: a CPU has no graphs)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
     # the sides besides eager
-    others = ("static",) if dry else ("graphs", "compile")
+    others = ("static",) if dry else ("graphs", "compile", "reduce-overhead")
     g = torch.Generator().manual_seed(4)
     rows = []
     for B in batches:
@@ -1311,9 +1316,16 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                         max_rows=B)
 
         graphed = GraphedSteps(ours)  # this engine's graphs (they write into its cache)
+        # the compiled steps of the two compiled sides, each made by its first run (model.static_step makes
+        # "compile"'s); the pools marked before anything compiles, so no side recompiles when they are marked
+        compiled = {"compile": None,
+                    "reduce-overhead": torch.compile(ours.run, fullgraph=True, mode="reduce-overhead")}
+        for pool in itertools.chain(*engine.cache.layers):
+            torch._dynamo.mark_static_address(pool)
 
         def run(n, side):
-            ours.decode_mode = side if side in ("eager", "compile") else "static"
+            ours.decode_mode = "compile" if side in compiled else side if side == "eager" else "static"
+            ours.compiled = compiled.get(side)
             if side == "graphs":
                 ours.static_step = graphed
             try:
@@ -1321,7 +1333,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                 sync()
                 return out
             finally:
+                if side in compiled:
+                    compiled[side] = ours.compiled
                 ours.decode_mode = "eager"
+                ours.compiled = None
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
         first_s, same = {}, {}
@@ -1347,11 +1362,11 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
 
 def print_gpu_graphs(rows):
     print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on --cpu):")
-    print(f"   {'batch':>5} {'side':<8} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
+    print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
     for r in rows:
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
-        print(f"   {r['batch']:>5} {r['side']:<8} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
+        print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
               f"{first:>11} {r['same_tokens']}/{r['rows']}")
     for B in sorted({r["batch"] for r in rows}):
         eager, *others = [r for r in rows if r["batch"] == B]
