@@ -1340,12 +1340,19 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
         first_s, same = {}, {}
+        # the sides that ran: one that fails on this device is reported, and the others still timed
+        sides = ["eager"]
         for side in others:
             t0 = time.perf_counter()
-            tokens = run(new, side)  # captures (or compiles) each bucket's step
+            try:
+                tokens = run(new, side)  # captures (or compiles) each bucket's step
+            except Exception as e:  # noqa: BLE001 (one command on a lent GPU: every side that can run, runs)
+                traceback.print_exc()
+                rows.append(dict(batch=B, side=side, error=f"{type(e).__name__}: {e}"[:2000]))
+                continue
+            sides.append(side)
             first_s[side] = time.perf_counter() - t0
             same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
-        sides = ("eager", *others)
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
@@ -1364,12 +1371,15 @@ def print_gpu_graphs(rows):
     print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on --cpu):")
     print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
     for r in rows:
+        if "error" in r:
+            print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
+            continue
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
         print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
               f"{first:>11} {r['same_tokens']}/{r['rows']}")
     for B in sorted({r["batch"] for r in rows}):
-        eager, *others = [r for r in rows if r["batch"] == B]
+        eager, *others = [r for r in rows if r["batch"] == B and "error" not in r]
         print(f"   batch {B}: " + ", ".join(f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
                                          for r in others) + " per step")
 
@@ -1432,6 +1442,9 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
         try:
             report[key] = fn(*args)
             show(report[key])
+            # a part that ran with a side that failed (section 3b) fails too, its other rows kept
+            if isinstance(report[key], list) and any("error" in row for row in report[key]):
+                failed.append(key)
         except Exception as e:  # noqa: BLE001 (one command on a lent GPU: every part that can run, runs)
             report[key] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             failed.append(key)
