@@ -1291,6 +1291,9 @@ class GraphedSteps:
         return out  # forward_cached passes it through the head before the next replay overwrites it
 
 
+# each compiled side adds its shapes' entries to one function's cache (model.Qwen.run): past dynamo's default of
+# 8, a step would run eagerly without a word and be timed as compiled; here it may hold more, and past that it fails
+@torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
 def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
