@@ -1456,6 +1456,12 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
             report.setdefault("peak_gib", {})[key] = torch.cuda.max_memory_allocated() / 2**30
         print(f"   ({key}: {time.perf_counter() - t0:.0f} s"
               + (f", peak GPU memory {report['peak_gib'][key]:.1f} GiB)" if not dry else ")"), flush=True)
+        # the report so far, after every part: a run stopped by its time limit leaves what it measured
+        with open(out_path + ".part", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(out_path + ".part", out_path)
+
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
 
     with tempfile.TemporaryDirectory() as path:
         cfg = random_qwen3(path, dry)
@@ -1470,12 +1476,11 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
                     4 if dry else n, 8 if dry else 64)
         section("decode", gpu_decode, functools.partial(print_gpu_decode, report["flash_attn"]), path, dev, dry,
                 (1, 2, 4) if dry else (1, 32, 64), 16 if dry else 128, 8 if dry else 128, hbm, sync)
+        section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
+        # the static steps last: the longest part (a compile or capture per side, shape and batch), so a run cut
+        # short by a device's time limit has all the others
         section("graphs", gpu_graphs, print_gpu_graphs, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
                 16 if dry else 128, 8 if dry else 128, hbm, sync)
-    section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
     print(f"wrote {out_path}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
