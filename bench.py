@@ -1365,14 +1365,19 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
                              roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
                              first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B))
+        # each batch's lines as soon as it is measured: a run stopped by the device's time limit keeps them
+        print_gpu_graphs([r for r in rows if r["batch"] == B], title=B == batches[0])
         del engine
     del ours
     return rows
 
 
-def print_gpu_graphs(rows):
-    print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on --cpu):")
-    print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} same tokens")
+def print_gpu_graphs(rows, title=True):
+    if title:
+        print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on "
+              "--cpu):")
+        print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} "
+              "same tokens")
     for r in rows:
         if "error" in r:
             print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
@@ -1479,7 +1484,7 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
         section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
         # the static steps last: the longest part (a compile or capture per side, shape and batch), so a run cut
         # short by a device's time limit has all the others
-        section("graphs", gpu_graphs, print_gpu_graphs, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
+        section("graphs", gpu_graphs, lambda rows: None, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
                 16 if dry else 128, 8 if dry else 128, hbm, sync)
     print(f"wrote {out_path}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

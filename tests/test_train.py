@@ -272,6 +272,10 @@ def test_the_gpu_bench_dry_runs_on_the_cpu(sft, tmp_path):
     assert report["greedy_fp32"]["identical"] == report["greedy_fp32"]["prompts"] == 4
     assert {r["side"] for r in report["decode"]} == {"ours", "transformers"}
     assert [r["batch"] for r in report["decode"]] == [1, 1, 2, 2, 4, 4]
+    # 3b: the static-shape steps, run eagerly on a CPU, give the eager steps' tokens at every batch
+    assert [(r["batch"], r["side"]) for r in report["graphs"]] == [(b, side) for b in (1, 2, 4)
+                                                                for side in ("eager", "static")]
+    assert all(r["same_tokens"] == r["rows"] for r in report["graphs"])
     (step,) = report["rl"]["steps"]
     assert 0 <= step["reward"] <= 1 and step["t_rollout"] > 0
 
