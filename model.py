@@ -648,26 +648,28 @@ class KVCache:
             self.table[row, self.npages[row]] = page
             self.npages[row] += 1
 
-    def share(self, src, dst):
-        """the empty row dst starts as a copy of src's tokens: src's full pages by reference, and a page of
-        its own holding a copy of src's last, partly filled one (copy on write, done at once: dst's next
-        token goes into that page)"""
-        if self.npages[dst]:
-            raise ValueError(f"share: row {dst} is not empty")
+    def share(self, src, dsts):
+        """the empty rows dsts start as copies of src's tokens: src's full pages by reference, and each a page of
+        its own holding a copy of src's last, partly filled one (copy on write, done at once: its next token
+        goes into that page), copied for all of dsts at once: a few kernels a layer, however many samples"""
         n = int(self.lengths[src])
         full = n // self.page_size
-        for page in self.table[src, :full].tolist():
-            self.refs[page] += 1
-        self.table[dst, :full] = self.table[src, :full]
-        self.npages[dst] = full
-        if n % self.page_size:
+        for dst in dsts:
+            if self.npages[dst]:
+                raise ValueError(f"share: row {dst} is not empty")
+            for page in self.table[src, :full].tolist():
+                self.refs[page] += 1
+            self.table[dst, :full] = self.table[src, :full]
+            self.npages[dst] = full
+            # the page of its own, if src has a partly filled one
             self.grow(dst, n)
-            # src's last page, dst's own copy of it
-            pages = self.table[[src, dst], full].to(self.layers[0][0].device)
+            self.lengths[dst] = n
+        if n % self.page_size and dsts:
+            # src's last page, and each dst's own copy of it
+            pages = self.table[[src, *dsts], full].to(self.layers[0][0].device)
             for pool in itertools.chain(*self.layers):
                 pool.index_copy_(self.page_dim, pages[1:],
-                                 pool.index_select(self.page_dim, pages[:1]))
-        self.lengths[dst] = n
+                                 pool.index_select(self.page_dim, pages[0].expand(len(dsts))))
 
     def gather(self, layer, table, stale=None):
         """SDPA's keys and values of `layer` for the rows whose pages are table (B, P): (Hkv, B, P x page_size,

@@ -532,9 +532,8 @@ class Engine:
                 row.pending = []
                 row.logits = row_logits
                 row.state = DECODE
-                # shared prefill: the samples hold the prompt's pages by reference
-                if row is not item.row:
-                    self.cache.share(item.row.slot, row.slot)
+            # shared prefill: the samples hold the prompt's pages by reference
+            self.cache.share(item.row.slot, [row.slot for row in item.copies])
 
     def sample(self, rows, temperature):
         """Temperature / top-p sampling, one generator per row. Returns tokens and their log-probs

@@ -332,7 +332,7 @@ def check_decoding(ours, page_size):
             logits.append(out[0])
         assert cache.lengths.tolist() == [3, 7, 5, 1, 0]
         # 2. row 4 shares row 1's prompt (prefix sharing)
-        cache.share(1, 4)
+        cache.share(1, [4])
         seqs.append(seqs[1].clone())
         logits.append(logits[1].clone())
         # 3. decode steps over all rows: slice rows, then a permuted LongTensor, then a multi-token extension;
@@ -411,7 +411,7 @@ def check_pages(ours, page_size):
         ids = torch.stack([F.pad(s, (0, max(lens) - len(s))) for s in seqs])
         forward_grown(ours, ids, cache, torch.arange(3), last_only=True, n_new=list(lens))
         assert cache.free_pages() == 10 - 3 - 1 - 4
-        cache.share(0, 3)  # 2 full pages shared, the partial third copied
+        cache.share(0, [3])  # 2 full pages shared, the partial third copied
         seqs.append(seqs[0].clone())
         assert cache.free_pages() == 1 and cache.refs[int(cache.table[0, 0])] == 2
         assert cache.table[3, :2].tolist() == cache.table[0, :2].tolist() and cache.table[3, 2] != cache.table[0, 2]

@@ -253,7 +253,11 @@ class ForcedTurns(torch.nn.Module):
         n = [input_ids.shape[1]] * len(idx) if n_new is None else list(n_new)
         if not hasattr(cache, "spied"):  # a sample that shares a prompt's pages shares its history too
             share, cache.spied = cache.share, True
-            cache.share = lambda src, dst: self.hist.__setitem__(dst, list(self.hist[src])) or share(src, dst)
+
+            def spied_share(src, dsts):
+                self.hist.update({dst: list(self.hist[src]) for dst in dsts})
+                share(src, dsts)
+            cache.share = spied_share
         held = {p for r in range(cache.num_rows) for p in cache.table[r, :cache.npages[r]].tolist()}
         self.seen.append((cache.num_pages - cache.free_pages(), len(held)))
         for b, r in enumerate(idx):
