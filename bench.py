@@ -1327,7 +1327,8 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             torch._dynamo.mark_static_address(pool)
 
         def run(n, side):
-            ours.decode_mode = "compile" if side in compiled else side if side == "eager" else "static"
+            # the compiled sides through static_step's compiled function, set here; graphs as static's steps
+            ours.decode_mode = "compile" if side in compiled else "eager" if side == "eager" else "static"
             ours.compiled = compiled.get(side)
             if side == "graphs":
                 ours.static_step = graphed
