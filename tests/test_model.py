@@ -1,7 +1,9 @@
 """model.py against transformers' own Qwen3 / Qwen2 on tiny random configs (fp32, CPU, no downloads)."""
 
+import itertools
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -527,6 +529,41 @@ def test_config_rejects_unsupported(tmp_path):
         Config.from_json(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(base))
     assert Config.from_json(str(tmp_path)) == Config(**{k: base[k] for k in Config.__dataclass_fields__})
+
+
+def test_share_hands_every_sample_the_prompt_at_once():
+    """KVCache.share(src, dsts), as the engine calls it for a prompt's samples: each holds src's full pages by
+    reference and a page of its own with a copy of src's partly filled last one, in every layer's pools, copied for
+    all the samples together; a sample writing into its page leaves src and the other samples alone. An empty
+    list does nothing, and a row that holds tokens already is refused."""
+    cfg = types.SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=4)
+    ps = 4
+    cache = KVCache(cfg, num_rows=5, max_len=4 * ps, device="cpu", dtype=torch.float32, page_size=ps)
+    g = torch.Generator().manual_seed(0)
+    for pool in itertools.chain(*cache.layers):
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    cache.grow(0, 2 * ps + 3)
+    cache.lengths[0] = 2 * ps + 3
+    before = [pool.clone() for pool in itertools.chain(*cache.layers)]
+    cache.share(0, [])
+    assert cache.free_pages() == cache.num_pages - 3
+    cache.share(0, [1, 3, 4])
+    src_pages = cache.table[0, :3].tolist()
+    own = [int(cache.table[dst, 2]) for dst in (1, 3, 4)]
+    assert len(set(own) | {src_pages[2]}) == 4 and cache.free_pages() == cache.num_pages - 6
+    assert [cache.refs[page] for page in src_pages] == [4, 4, 1] and all(cache.refs[p] == 1 for p in own)
+    for dst in (1, 3, 4):
+        assert cache.table[dst, :2].tolist() == src_pages[:2]
+        assert int(cache.lengths[dst]) == 2 * ps + 3 and int(cache.npages[dst]) == 3
+    for pool, old in zip(itertools.chain(*cache.layers), before):
+        # (Hkv, pages, ps, hd): src's pages as they were, each own page a copy of src's last
+        assert torch.equal(pool[:, src_pages], old[:, src_pages])
+        for page in own:
+            assert torch.equal(pool[:, page], old[:, src_pages[2]])
+    cache.layers[0][0][:, own[0], 3] = 7.0  # sample 1's next token
+    assert not (cache.layers[0][0][:, [src_pages[2], *own[1:]], 3] == 7.0).any()
+    with pytest.raises(ValueError, match="share: row 3 is not empty"):
+        cache.share(0, [3])
 
 
 def test_paged_flash_is_tried_once_and_falls_back_to_sdpa(monkeypatch, capsys):
