@@ -651,7 +651,8 @@ class KVCache:
     def share(self, src, dsts):
         """the empty rows dsts start as copies of src's tokens: src's full pages by reference, and each a page of
         its own holding a copy of src's last, partly filled one (copy on write, done at once: its next token
-        goes into that page), copied for all of dsts at once: a few kernels a layer, however many samples"""
+        goes into that page), copied for all of dsts at once: a few kernels a layer, however many samples.
+        A dst that holds tokens is refused (a caller's bug: the engine hands over rows it has just claimed)."""
         n = int(self.lengths[src])
         full = n // self.page_size
         for dst in dsts:
