@@ -74,10 +74,12 @@ def load_trainable(path, device, dtype, activation_checkpointing=False, compiled
             layer.compile(dynamic=True)
     if dist.is_initialized():
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
-    if os.path.isdir(os.path.join(path, "state")):
+    # a checkpoint of ours (its sharded state), else HF weights
+    state = os.path.join(path, "state")
+    if os.path.isdir(state):
         model.to_empty(device=device)
         sd = {"model": get_model_state_dict(model)}
-        dcp.load(sd, checkpoint_id=os.path.join(path, "state"))
+        dcp.load(sd, checkpoint_id=state)
         set_model_state_dict(model, sd["model"])
     else:
         load_weights(model, path, device)

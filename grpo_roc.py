@@ -235,22 +235,24 @@ def group_kind(group):
     return "all_correct" if all(traj.correct for traj in group) else "all_wrong"
 
 
-def adv_group_std(rewards: torch.Tensor, eps=1e-6) -> torch.Tensor:
-    """Eq. 7: A_i = (r_i - mean(r)) / (std(r) + eps) over each group's G kept rollouts; std is the unbiased
-    one (torch.std, as verl's GRPO estimator). A uniform group gets A = 0."""
-    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
-
-
-def adv_group_mean(rewards: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO: A_i = r_i - mean(r) over the group, no division by the std (which up-weights groups that are
-    nearly all right or all wrong)."""
+def adv_group_mean(rewards):
+    """rewards (num_groups, G) -> advantages (num_groups, G). Dr. GRPO: A_i = r_i - mean(r) over the group, no
+    division by the std (which up-weights groups that are nearly all right or all wrong)."""
     return rewards - rewards.mean(dim=1, keepdim=True)
 
 
-def adv_batch_std(rewards: torch.Tensor, eps=1e-6) -> torch.Tensor:
-    """Centred per group, scaled by the std of all the centred values of the batch (REINFORCE++'s global
-    normalisation): every group's advantages are on one scale, a nearly uniform group stays small."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
+def adv_group_std(rewards, eps=1e-6):
+    """rewards (num_groups, G) -> advantages (num_groups, G). Eq. 7: A_i = (r_i - mean(r)) / (std(r) + eps) over
+    each group's G kept rollouts (adv_group_mean's, scaled); std is the unbiased one (torch.std, as verl's GRPO
+    estimator). A uniform group gets A = 0."""
+    return adv_group_mean(rewards) / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def adv_batch_std(rewards, eps=1e-6):
+    """rewards (num_groups, G) -> advantages (num_groups, G): centred per group, scaled by the std of all the
+    centred values of the batch (REINFORCE++'s global normalisation): every group's advantages are on one scale,
+    a nearly uniform group stays small."""
+    centred = adv_group_mean(rewards)
     return centred / (centred.std() + eps) if centred.numel() > 1 else centred
 
 
@@ -406,7 +408,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=
     return loss, stats
 
 
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind="k3", **_) -> torch.Tensor:
+def kl_penalty(logprobs, ref_logprobs, kind="k3", **_):
     """
     Per-token estimates of KL(policy || reference) from tokens the policy sampled (Schulman 2020,
     "Approximating KL divergence"), with d = ref_logprobs - logprobs, the log of the reference's

@@ -114,6 +114,24 @@ def use_flash(device, dtype):
             and dtype in (torch.float16, torch.bfloat16))
 
 
+def paged_attention(q, k, v, seqlens, table):
+    """flash-attn's paged decoding: q (B, T, H, hd) against the pools k and v through the page table (B, P), the
+    keys of row b up to seqlens[b], bottom-right causal (see attend)"""
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table, causal=True)
+
+
+# The same as a torch operator, for a compiled decode step (Qwen.static_step, decode_mode "compile"). The kernel is
+# a C++ extension that torch.compile cannot look into: a graph break (flash-attention issue 1386), which a step
+# compiled whole (fullgraph) refuses, so "compile" failed wherever flash-attn decodes. The compiler takes the
+# operator as one opaque call that returns a tensor shaped like q, and the kernel runs when the step does (in a
+# CUDA graph it is captured like any kernel). An eager step calls the kernel itself: the operator would cost ~16
+# us a call more (its Python dispatch, measured on the CPU), ~0.6 ms a decode step at 40 layers.
+flash_decode = torch.library.custom_op(
+    "nano_rstar2::flash_decode", paged_attention, mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor seqlens, Tensor table) -> Tensor")
+flash_decode.register_fake(lambda q, *pools_and_table: torch.empty_like(q))
+
+
 @functools.cache
 def paged_flash(device, dtype):
     """Whether flash-attn decodes through a page table here. Its CUDA and ROCm CK backends do; its Triton AMD
@@ -123,8 +141,7 @@ def paged_flash(device, dtype):
     try:
         q, k = (torch.zeros(1, n, 1, 64, device=device, dtype=dtype) for n in (1, 256))
         one = torch.ones(1, dtype=torch.int32, device=device)
-        flash_attn_with_kvcache(q, k, k, cache_seqlens=one, block_table=one.view(1, 1) - 1,
-                                causal=True)
+        paged_attention(q, k, k, one, one.view(1, 1) - 1)
         return True
     except Exception as e:  # noqa: BLE001 (any failure means: do not decode through it)
         print(f"model: flash-attn cannot decode through a page table here ({type(e).__name__}: {e});"
@@ -206,8 +223,9 @@ def attend(q, k, v, att, layer_idx):
     # 2. attend through the page table. flash: bottom-right causal, query t sees keys < seqlens - T + t + 1,
     # i.e. up to lengths + t; padding reads table entries of page 0 that only pad queries see
     if cache.flash:
-        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=att["seqlens"],
-                                       block_table=att["table"], causal=True)
+        # a step being compiled takes the kernel as an operator (flash_decode), an eager one calls it directly
+        kernel = flash_decode if torch.compiler.is_compiling() else paged_attention
+        return kernel(q, kc, vc, att["seqlens"], att["table"])
     # SDPA: each row's pages, whole, gathered into (Hkv, B, keys, hd), contiguous (keys past a row's length
     # are masked), or kept from the last forward: its stale rows gathered again, the others' new tokens
     # written in; the B rows become the batch of each kv head, whose query heads fold into the query axis
@@ -528,7 +546,8 @@ class Qwen(nn.Module):
         row's pages gathered afresh (SDPA) or read through the table (flash-attn), no data-dependent branch.
         Returns the final norm's output (B, 1, D), which forward_cached passes through the head at once.
         self.decode_mode says how it runs: "static" eagerly; "compile" through inductor (torch.compile, on a
-        CPU too; the first step of each shape compiles). The same tokens as "eager" (tests/test_decode.py).
+        CPU too; the first step of each shape compiles; flash-attn's kernel goes in as an operator, flash_decode).
+        The same tokens as "eager" (tests/test_decode.py; on flash-attn's path tests/test_model.py).
 
         On a GPU these steps are what CUDA graphs capture, a graph per shape (vLLM's and SGLang's way of
         launching a step's hundreds of small kernels at once): bench.py's GraphedSteps does it, set as a
@@ -708,11 +727,11 @@ class KVCache:
         self.npages[row] = 0
         self.lengths[row] = 0
 
-    def holds(self, row) -> bool:
+    def holds(self, row):
         """whether row has any tokens in the cache"""
         return bool(self.lengths[row])
 
-    def free_pages(self) -> int:
+    def free_pages(self):
         return len(self.free)
 
 

@@ -367,12 +367,8 @@ class Engine:
                          for token in ("<|im_end|>", "<|endoftext|>")}
         self.events = [] if log_events else None
         # per run() (reset at its start): forwards, tokens, seconds waited on tools, preemptions
-        self.stats = {"decode_steps": 0,
-                      "decode_tokens": 0,
-                      "prefill_tokens": 0,
-                      "tool_wait_s": 0.0,
-                      "preemptions": 0,
-                      "recomputed_tokens": 0}
+        self.stats = dict.fromkeys(("decode_steps", "decode_tokens", "prefill_tokens", "tool_wait_s",
+                                    "preemptions", "recomputed_tokens"), 0)
         self.pager = Pager(model, kv_capacity, max_len, reserve, max_rows, page_size,
                            self.stats, self.log)
         self.cache = self.pager.cache

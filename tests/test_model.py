@@ -503,6 +503,45 @@ def test_flash_bookkeeping_against_reference_kernels(pair, monkeypatch):
     assert KVCache(ours.cfg, 2, 8, "cpu", torch.float32, page_size=256).layers[0][0].shape[1:] == pool_layout
 
 
+def test_compiled_steps_go_through_flash_attns_kernel(monkeypatch):
+    """flash-attn's paged kernel is a C++ extension torch.compile cannot trace (flash-attention issue 1386), and a
+    compiled decode step (fullgraph) through it raised. A stand-in dynamo cannot look into either (the reference
+    kernel behind torch.compiler.disable) must now give the compiled steps the eager tokens, through the operator
+    model.flash_decode; eager steps call the kernel itself, never the operator (it costs a dispatch a call)."""
+    monkeypatch.setattr(model_module, "use_flash", lambda device, dtype: True)
+    monkeypatch.setattr(model_module, "flash_attn_with_kvcache", torch.compiler.disable(reference_kvcache))
+    model_module.paged_flash.cache_clear()
+    cfg = Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    net = Qwen(cfg).eval()
+
+    def tokens(mode):
+        net.decode_mode = mode
+        cache = KVCache(cfg, 2, 300, "cpu", torch.float32, page_size=256)
+        assert cache.flash
+        for row in (0, 1):
+            cache.grow(row, 300)
+        ids = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+        logits = net.forward_cached(ids, cache, [0, 1], last_only=True, n_new=[5, 3])
+        out = []
+        for _ in range(4):  # greedy: a flipped token shows
+            out.append(logits[:, -1].argmax(-1))
+            logits = net.forward_cached(out[-1][:, None], cache, [0, 1])
+        return torch.stack(out).tolist(), logits
+
+    operator = model_module.flash_decode
+
+    def no_operator(*args):
+        raise AssertionError("an eager step went through the operator")
+    monkeypatch.setattr(model_module, "flash_decode", no_operator)
+    eager, eager_logits = tokens("eager")
+    monkeypatch.setattr(model_module, "flash_decode", operator)
+    compiled, compiled_logits = tokens("compile")
+    model_module.paged_flash.cache_clear()
+    assert compiled == eager and torch.allclose(compiled_logits, eager_logits, atol=1e-5)
+
+
 def test_load_in_bf16_and_config(pair):
     hf, _, path = pair
     bf = load_model(path, dtype=torch.bfloat16)
