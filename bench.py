@@ -87,7 +87,6 @@ import contextlib
 import functools
 import gzip
 import io
-import itertools
 import json
 import math
 import os
@@ -1300,11 +1299,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
     batch, which captures its graphs, is timed apart; the tokens of both sides compared. On a GPU also "compile"
     (decode_mode "compile": the same steps through inductor, its first run, which compiles, apart) and
-    "reduce-overhead": the same steps compiled with torch.compile's own CUDA graphs (mode="reduce-overhead", its
-    graph trees), the KV pools marked as static addresses so the graphs may write into them in place (else
-    inductor skips graphs for a step that mutates its inputs). If that matches GraphedSteps, model.py's
-    "compile" can take CUDA graphs for a mode argument, where GraphedSteps costs ~215 code tokens. --cpu:
-    "static" (the same steps run eagerly: a CPU has no graphs)."""
+    "reduce-overhead": decode_mode "graphs", the engine's own CUDA graphs (the same steps compiled with
+    torch.compile's mode="reduce-overhead", its graph trees, the KV pools marked as static addresses so the graphs
+    may write into them in place). Where it matches GraphedSteps, the engine has what GraphedSteps does without
+    its ~215 code tokens. --cpu: "static" (the same steps run eagerly: a CPU has no graphs)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
@@ -1319,16 +1317,14 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                         max_rows=B)
 
         graphed = GraphedSteps(ours)  # this engine's graphs (they write into its cache)
-        # the compiled steps of the two compiled sides, each made by its first run (model.static_step makes
-        # "compile"'s); the pools marked before anything compiles, so no side recompiles when they are marked
-        compiled = {"compile": None,
-                    "reduce-overhead": torch.compile(ours.run, fullgraph=True, mode="reduce-overhead")}
-        for pool in itertools.chain(*engine.cache.layers):
-            torch._dynamo.mark_static_address(pool)
+        # the compiled steps of the two compiled sides, each made by model.static_step on its first run, in the
+        # side's decode_mode ("reduce-overhead": "graphs"), and kept here between runs
+        compiled = {"compile": None, "reduce-overhead": None}
+        modes = {"eager": "eager", "compile": "compile", "reduce-overhead": "graphs"}
 
         def run(n, side):
-            # the compiled sides through static_step's compiled function, set here; graphs as static's steps
-            ours.decode_mode = "compile" if side in compiled else "eager" if side == "eager" else "static"
+            # graphs (GraphedSteps) as static's steps
+            ours.decode_mode = modes.get(side, "static")
             ours.compiled = compiled.get(side)
             if side == "graphs":
                 ours.static_step = graphed

@@ -103,10 +103,11 @@ class Logger:
                                     resume="allow" if resume_step is not None else None)
 
     def log(self, step, metrics):
+        """metrics: {name: a number, or a tensor of one element (read here, once)}"""
         if not self.active:
             return
-        row = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(row) + "\n")
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

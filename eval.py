@@ -261,7 +261,8 @@ if __name__ == "__main__":
     samples = 16  # k samples per problem
     temperature = 0.6  # the paper's evaluation temperature
     top_p = 1.0  # nucleus sampling; 1.0 = off (the paper does not state it)
-    # decode steps: "eager", or at static shapes (model.Qwen.static_step) "static" or "compile" (inductor)
+    # decode steps: "eager", or at static shapes (model.Qwen.static_step) "static", "compile"
+    #               (inductor) or "graphs" (inductor's CUDA graphs on a GPU: not yet run on one)
     decode_mode = "eager"
     max_response_tokens = 30720  # one budget for model + tool tokens of a trajectory
     # a longer prompt is an error (the denominator must not change silently); with

@@ -345,7 +345,8 @@ class Qwen(nn.Module):
                                                                        bias=False)
         self.gradient_checkpointing = False
         # one-token forwards (decode steps): "eager" (forward_cached as is) or static shapes (static_step) run
-        # "static" or "compile" (inductor); the inductor function, made on first use
+        # "static", "compile" (inductor) or "graphs" (inductor, as CUDA graphs on a GPU); the compiled function,
+        # made on first use
         self.decode_mode = "eager"
         self.compiled = None
         # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
@@ -457,7 +458,7 @@ class Qwen(nn.Module):
         memory); the pool is never written outside a row's own pages.
 
         One-token forwards (decode steps) run as self.decode_mode says: "eager", the default, as any
-        forward; or at static shapes (static_step) "static" or "compile".
+        forward; or at static shapes (static_step) "static", "compile" or "graphs".
         """
         B, T = input_ids.shape
         # a slice, list or tensor of rows -> LongTensor (B,)
@@ -546,18 +547,24 @@ class Qwen(nn.Module):
         row's pages gathered afresh (SDPA) or read through the table (flash-attn), no data-dependent branch.
         Returns the final norm's output (B, 1, D), which forward_cached passes through the head at once.
         self.decode_mode says how it runs: "static" eagerly; "compile" through inductor (torch.compile, on a
-        CPU too; the first step of each shape compiles; flash-attn's kernel goes in as an operator, flash_decode).
-        The same tokens as "eager" (tests/test_decode.py; on flash-attn's path tests/test_model.py).
-
-        On a GPU these steps are what CUDA graphs capture, a graph per shape (vLLM's and SGLang's way of
-        launching a step's hundreds of small kernels at once): bench.py's GraphedSteps does it, set as a
-        model's static_step, for `bench.py gpu` (section 3b) to measure. It stays there until a GPU run shows
-        its worth: here it cost ~215 code tokens the core's ceiling has no room for."""
+        CPU too; the first step of each shape compiles; flash-attn's kernel goes in as an operator, flash_decode);
+        "graphs" the same, and on a GPU launched as CUDA graphs (torch.compile's mode "reduce-overhead": a graph
+        per shape, recorded on its first steps, replayed after; vLLM's and SGLang's way of launching a step's
+        hundreds of small kernels at once; on a CPU it is "compile"). The same tokens as "eager"
+        (tests/test_decode.py; on flash-attn's path tests/test_model.py). "graphs" has not run on a GPU yet:
+        `bench.py gpu` section 3b times it ("reduce-overhead") beside bench.py's GraphedSteps, CUDA graphs
+        captured by hand (torch.cuda.graph, ~215 code tokens), against which it is to be measured."""
         if self.decode_mode == "static":
             return self.run(input_ids, pos, att)
-        if self.decode_mode != "compile":
-            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static or compile")
-        self.compiled = self.compiled or torch.compile(self.run, fullgraph=True)
+        if self.decode_mode not in ("compile", "graphs"):
+            raise ValueError(f"decode_mode {self.decode_mode!r}: eager, static, compile or graphs")
+        # the KV pools at fixed addresses: a CUDA graph writes into them in place (not so marked, a step that
+        # writes into its inputs would be left out of the graphs)
+        for pool in itertools.chain(*att["cache"].layers):
+            torch._dynamo.mark_static_address(pool)
+        # "graphs": inductor's code run as CUDA graphs (its mode "reduce-overhead"), a graph per shape
+        mode = "reduce-overhead" if self.decode_mode == "graphs" else None
+        self.compiled = self.compiled or torch.compile(self.run, fullgraph=True, mode=mode)
         return self.compiled(input_ids, pos, att)
 
 

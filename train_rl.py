@@ -83,7 +83,8 @@ max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
 temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
 top_p = 1.0  # nucleus sampling; 1.0 = off
-# decode steps: "eager", or at static shapes (model.Qwen.static_step) "static" or "compile" (inductor)
+# decode steps: "eager", or at static shapes (model.Qwen.static_step) "static", "compile"
+#               (inductor) or "graphs" (inductor's CUDA graphs on a GPU: not yet run on one)
 decode_mode = "eager"
 # tokens of KV cache per engine; 0 = kv_fraction of free accelerator memory (CPU: 256 rows)
 kv_capacity = 0
@@ -295,6 +296,13 @@ def micro_batch(kept, indices, advantages, tokens):
     return collate(seqs, device, packed)
 
 
+def micro_logprobs(net, micro, **kwargs):
+    """The log-probs (B, T) of a micro-batch's tokens under net (the policy, the reference), computed where the
+    loss reads them only (its mask: the output layer runs there alone), 0 elsewhere; kwargs: token_logprobs'."""
+    return token_logprobs(net, micro["ids"], micro["tgt"], micro["seg"], where=micro["mask"].bool(),
+                          **kwargs)
+
+
 def dump_step(step, mine, groups):
     """Every trajectory of the step as gzip JSONL: what a person reads (view.py) to see what the policy wrote,
     what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
@@ -449,9 +457,7 @@ while step < steps:
                 t_reference -= time.perf_counter()
                 with torch.no_grad():
                     for micro in micros:
-                        micro["ref_logprobs"] = token_logprobs(
-                            reference, micro["ids"], micro["tgt"], micro["seg"],
-                            where=micro["mask"].bool())
+                        micro["ref_logprobs"] = micro_logprobs(reference, micro)
                 if dist.is_initialized():
                     reference.reshard()
                 # the clock stops when the GPU is done, not when its work is queued
@@ -461,8 +467,7 @@ while step < steps:
             old_logprobs = None
             if len(parts) > 1:
                 with torch.no_grad():
-                    old_logprobs = [token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"],
-                                                   where=micro["mask"].bool()) for micro in micros]
+                    old_logprobs = [micro_logprobs(model, micro) for micro in micros]
             minis.append((micros, old_logprobs, n_tokens))
         # micro-batch loop: forward, loss and backward per micro-batch; gradients add up over the mini-batch
         for micros, old_logprobs, n_tokens in minis:
@@ -470,8 +475,7 @@ while step < steps:
                 # the tokens the policy sampled: the loss reads these only
                 mask = micro["mask"].bool()
                 # the output layer only where the loss reads (log-probs 0 elsewhere)
-                logprobs, entropy = token_logprobs(model, micro["ids"], micro["tgt"], micro["seg"],
-                                                   with_entropy=True, where=mask)
+                logprobs, entropy = micro_logprobs(model, micro, with_entropy=True)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_index]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
                 engine_logprobs = micro["engine_logprobs"].float()
@@ -523,7 +527,7 @@ while step < steps:
         dist.all_reduce(mismatch_max, op=dist.ReduceOp.MAX)
     n_loss = max(1.0, float(sums["n"]))
     metrics = {
-        "rollout/reward": rewards.mean().item(),
+        "rollout/reward": rewards.mean(),
         # rollout/ lengths, endings, turns and tool/ calls, failures and format health, as eval.py reports them too
         **rollout_metrics(summaries, tool_names),
         # with more than one task in the run: reward, correct share and tool errors per task too (task/<name>/...)
@@ -538,17 +542,17 @@ while step < steps:
         "roc/reward_kept": sum(summary.reward for summary in kept) / max(1, len(kept)),
         "roc/groups_all_right": n_all_right / prompts_per_step,
         "roc/groups_all_wrong": n_all_wrong / prompts_per_step,
-        "loss/entropy": float(sums["entropy"]),
-        "loss/clip_frac": float(sums["clip_frac"]),
+        "loss/entropy": sums["entropy"],
+        "loss/clip_frac": sums["clip_frac"],
         "loss/grad_norm": grad_norm,
         "loss/lr": optimizer.param_groups[0]["lr"],
         # the extra loss terms' token-means (loss/kl, loss/<function>), before their coefficients
-        **{name: float(sums[name]) for name, *_ in terms},
+        **{name: sums[name] for name, *_ in terms},
         # engine vs trainer log-probs over the loss tokens (see grpo_roc.mismatch)
-        "mismatch/abs_mean": float(sums["abs"]) / n_loss,
-        "mismatch/abs_max": float(mismatch_max),
-        "mismatch/kl_k3": float(sums["k3"]) / n_loss,
-        "mismatch/ratio_out": float(sums["out"]) / n_loss,
+        "mismatch/abs_mean": sums["abs"] / n_loss,
+        "mismatch/abs_max": mismatch_max,
+        "mismatch/kl_k3": sums["k3"] / n_loss,
+        "mismatch/ratio_out": sums["out"] / n_loss,
         # seconds: generating; waiting for this rank's last grades; the summaries' gather; the tokens' exchange
         "time/rollout": t_rollout,
         "time/grade_wait": t_grade,

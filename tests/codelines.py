@@ -57,8 +57,8 @@ READING_PATH = (
     "grpo_roc.py:advantages",
     # micro-batches, the loss and its gradient, the new weights handed to the engine
     "train_rl.py:plan", "scheduler.py:exchange", "train_rl.py:micro_batch", "model.py:collate",
-    "grpo_roc.py:loss_weights", "model.py:token_logprobs", "model.py:Qwen.forward", "model.py:chunk_logprobs",
-    "grpo_roc.py:policy_loss", "train_rl.py:sync_rollout_model",
+    "grpo_roc.py:loss_weights", "train_rl.py:micro_logprobs", "model.py:token_logprobs", "model.py:Qwen.forward",
+    "model.py:chunk_logprobs", "grpo_roc.py:policy_loss", "train_rl.py:sync_rollout_model",
 )
 
 # files read as one stop: the task file through grading's contract (Grader.grade calls its predict and grade),

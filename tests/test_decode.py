@@ -32,10 +32,31 @@ def test_static_steps_give_the_eager_tokens(tiny, temperature):
     static, engine = rollouts(path, tok, "static", temperature)
     assert static == eager
     assert all(t == 3 for _, _, _, t in eager.values())  # every row made both tool calls
-    # a mode model.py does not know is an error that names it (CUDA graphs: bench.py's GraphedSteps)
-    with pytest.raises(ValueError, match="decode_mode 'graphs': eager, static or compile"):
-        engine.model.model.decode_mode = "graphs"
+    # a mode model.py does not know is an error that names it
+    with pytest.raises(ValueError, match="decode_mode 'cudagraphs': eager, static, compile or graphs"):
+        engine.model.model.decode_mode = "cudagraphs"
         engine.generate([[1, 2, 3]], 2)
+
+
+def test_graphs_compile_the_step_for_cuda_graphs_with_the_pools_in_place(tiny, monkeypatch):
+    """decode_mode "graphs": the static step through torch.compile's CUDA graphs (mode "reduce-overhead", whole:
+    fullgraph), every KV pool marked as a static address (a graph writes into it in place). A CPU makes no CUDA
+    graphs, so torch.compile is stood in for here by the step itself, run eagerly (bench.py gpu section 3b runs
+    the real thing on a device): the arguments it got, the pools' marks, and the eager tokens."""
+    path, tok, _ = tiny
+    calls = []
+
+    def spy(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+    monkeypatch.setattr(torch, "compile", spy)
+    eager, _ = rollouts(path, tok, "eager", 1.0)
+    graphs, engine = rollouts(path, tok, "graphs", 1.0)
+    assert graphs == eager
+    # made once, on the first static step, for the engine's model
+    assert calls == [dict(fullgraph=True, mode="reduce-overhead")]
+    pools = [pool for layer in engine.cache.layers for pool in layer]
+    assert all(getattr(pool, "_dynamo_static_input_type", None) for pool in pools)
 
 
 @pytest.mark.slow

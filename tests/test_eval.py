@@ -251,8 +251,8 @@ def test_script_same_numbers_with_same_seed(tiny, first_run, tmp_path):
     # the decode_mode key reaches the model: its static-shape steps give the eager tokens (tests/test_decode.py)
     run_eval(tiny, tmp_path / "s", "--decode_mode=static")
     assert outputs(tmp_path / "s") == outputs(first_run[0])
-    with pytest.raises(AssertionError, match="decode_mode 'graphs': eager, static or compile"):
-        run_eval(tiny, tmp_path / "g", "--decode_mode=graphs")
+    with pytest.raises(AssertionError, match="decode_mode 'cudagraphs': eager, static, compile or graphs"):
+        run_eval(tiny, tmp_path / "g", "--decode_mode=cudagraphs")
 
 
 def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
