@@ -1309,6 +1309,14 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
     # the sides besides eager
     others = ("static",) if dry else ("graphs", "compile", "reduce-overhead")
+    # inductor leaves a step out of its CUDA graphs without a word (an input it cannot keep in place, a tensor on the
+    # CPU, ...; its reason goes to a log that is off): "reduce-overhead" would be timed as graphs while it runs as
+    # "compile". Where this torch has the switch, such a step raises, saying why (its side FAILED); either way each
+    # side's skipped graphs are counted (cudagraph_skips; inductor's own counter)
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    graphs_or_error = ({"triton.cudagraph_or_error": True}
+                       if hasattr(inductor_config.triton, "cudagraph_or_error") else {})
     g = torch.Generator().manual_seed(4)
     rows = []
     for B in batches:
@@ -1329,8 +1337,9 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             if side == "graphs":
                 ours.static_step = graphed
             try:
-                out = engine.generate(prompts, n)
-                sync()
+                with inductor_config.patch(graphs_or_error if side == "reduce-overhead" else {}):
+                    out = engine.generate(prompts, n)
+                    sync()
                 return out
             finally:
                 if side in compiled:
@@ -1339,11 +1348,12 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                 ours.compiled = None
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
-        first_s, same = {}, {}
+        first_s, same, skips = {}, {}, {}
         # the sides that ran: one that fails on this device is reported, and the others still timed
         sides = ["eager"]
         for side in others:
             t0 = time.perf_counter()
+            skipped = counters["inductor"]["cudagraph_skips"]
             try:
                 tokens = run(new, side)  # captures (or compiles) each bucket's step
             except Exception as e:  # noqa: BLE001 (one command on a lent GPU: every side that can run, runs)
@@ -1353,6 +1363,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             sides.append(side)
             first_s[side] = time.perf_counter() - t0
             same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
+            skips[side] = counters["inductor"]["cudagraph_skips"] - skipped
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
@@ -1361,7 +1372,8 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             tok_s = B * (new - 1) / decode_s
             rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
                              roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
-                             first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B))
+                             first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B,
+                             cudagraph_skips=skips.get(side, 0)))
         # each batch's lines as soon as it is measured: a run stopped by the device's time limit keeps them
         print_gpu_graphs([r for r in rows if r["batch"] == B], title=B == batches[0])
         del engine
@@ -1374,7 +1386,7 @@ def print_gpu_graphs(rows, title=True):
         print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on "
               "--cpu):")
         print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} "
-              "same tokens")
+              "same tokens  graphs skipped")
     for r in rows:
         if "error" in r:
             print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
@@ -1382,7 +1394,7 @@ def print_gpu_graphs(rows, title=True):
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
         print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
-              f"{first:>11} {r['same_tokens']}/{r['rows']}")
+              f"{first:>11} {r['same_tokens']}/{r['rows']:<11} {r.get('cudagraph_skips', 0)}")
     for B in sorted({r["batch"] for r in rows}):
         eager, *others = [r for r in rows if r["batch"] == B and "error" not in r]
         print(f"   batch {B}: " + ", ".join(f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
