@@ -125,3 +125,19 @@ def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     with pytest.raises(ValueError, match="cannot read it"):
         read_jsonl(str(tmp_path / "missing.jsonl"))
     json.dumps(rows)
+
+
+def test_a_zygote_child_exits_as_python_does(tmp_path):
+    """tests/zygote.py ends a command the way Python ends a process. A script that leaves a ThreadPoolExecutor's
+    worker idle (torch.compile does) exits: Python tells such workers to stop before it joins the threads, and a
+    child that only joined them waited forever (a compiled eval.py, killed at its timeout). Its atexit handlers
+    run too, after the workers are done."""
+    import zygote
+    script = tmp_path / "idle_pool.py"
+    script.write_text(
+        "import atexit, concurrent.futures\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(1)\n"
+        "print(pool.submit(lambda: 6 * 7).result())\n"
+        "atexit.register(lambda: print('atexit ran'))\n")
+    p = zygote.run([str(script)], timeout=60)
+    assert (p.returncode, p.stdout.splitlines()) == (0, ["42", "atexit ran"])

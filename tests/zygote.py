@@ -11,9 +11,7 @@ What a child cannot have that a fresh process has: environment variables that a 
 it is imported (HF_HUB_OFFLINE, HF_HUB_CACHE, OMP_NUM_THREADS, ...). A command with its own
 environment therefore runs as a real process (`run`'s env); the others go to one zygote per test
 process (`run`, started on first use). tests/test_readme_commands.py runs the README's commands
-through its own, in a scratch checkout. Nor can a child compile: one that runs torch.compile (eval.py
---decode_mode=compile or graphs) does its work, writes its outputs and then never exits (killed at its
-timeout; a real process exits at once): give such a command an env, so it runs as a real process.
+through its own, in a scratch checkout.
 
 A command on several ranks (`run`'s ranks) is forked once per rank, each child given what torchrun
 gives a rank (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which the
@@ -139,9 +137,10 @@ def run_script(job):
     except BaseException:
         traceback.print_exc()
         code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # Python's own exit: the threading module's exit hooks (they tell an executor's idle workers to stop; joined
+    # without them, the workers of a ThreadPoolExecutor, e.g. torch.compile's, waited forever), every thread that
+    # is not a daemon joined, then the atexit handlers
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
