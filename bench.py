@@ -1348,7 +1348,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                 ours.compiled = None
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
-        first_s, same, skips = {}, {}, {}
+        # held: the GPU memory the caching allocator holds once a side's first run is done (MiB), so the growth
+        # from one side to the next is what that side kept: a CUDA graph keeps its own memory pool, per shape
+        first_s, same, skips, held = {}, {}, {}, {}
+        held["eager"] = torch.cuda.memory_reserved() / 2**20 if dev == "cuda" else None
         # the sides that ran: one that fails on this device is reported, and the others still timed
         sides = ["eager"]
         for side in others:
@@ -1364,6 +1367,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             first_s[side] = time.perf_counter() - t0
             same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
             skips[side] = counters["inductor"]["cudagraph_skips"] - skipped
+            held[side] = torch.cuda.memory_reserved() / 2**20 if dev == "cuda" else None
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
@@ -1373,7 +1377,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
                              roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
                              first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B,
-                             cudagraph_skips=skips.get(side, 0)))
+                             cudagraph_skips=skips.get(side, 0), mib_held=held.get(side)))
         # each batch's lines as soon as it is measured: a run stopped by the device's time limit keeps them
         print_gpu_graphs([r for r in rows if r["batch"] == B], title=B == batches[0])
         del engine
@@ -1386,7 +1390,7 @@ def print_gpu_graphs(rows, title=True):
         print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on "
               "--cpu):")
         print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} "
-              "same tokens  graphs skipped")
+              "same tokens  graphs skipped  MiB held")
     for r in rows:
         if "error" in r:
             print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
@@ -1394,7 +1398,8 @@ def print_gpu_graphs(rows, title=True):
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
         print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
-              f"{first:>11} {r['same_tokens']}/{r['rows']:<11} {r.get('cudagraph_skips', 0)}")
+              f"{first:>11} {str(r['same_tokens']) + '/' + str(r['rows']):<11}  {r.get('cudagraph_skips', 0):>14}  "
+              f"{'' if r.get('mib_held') is None else format(r['mib_held'], '8,.0f')}")
     for B in sorted({r["batch"] for r in rows}):
         eager, *others = [r for r in rows if r["batch"] == B and "error" not in r]
         print(f"   batch {B}: " + ", ".join(f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
