@@ -1406,15 +1406,18 @@ def print_gpu_graphs(rows, title=True):
                                          for r in others) + " per step")
 
 
-def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
-    """5. a few RL steps of the tiny config through train_rl.py itself (bf16 on the GPU), from its metrics"""
+def gpu_rl_steps(model_path, data_path, steps, dry, isolation, decode_mode="eager"):
+    """5. a few RL steps of the tiny config through train_rl.py itself (bf16 on the GPU), from its metrics; 5b (part
+    rl_graphs, only when asked for) the same with decode_mode "graphs": the engine's CUDA graphs replayed while the
+    weights they read change in place after every step, whose sampling-time log-probs must then stay as close to
+    the trainer's (mismatch/abs_mean) as in 5's eager steps"""
     if not (os.path.isdir(model_path) and os.path.isfile(data_path)):
         return {"skipped": f"no model at {model_path} or data at {data_path}: make them with `python data.py prepare` "
                            f"and `python train_sft.py configs/tiny_sft.py`, or pass --model_path / --data_path"}
     with tempfile.TemporaryDirectory() as run_dir:
         args = [sys.executable, "train_rl.py", "configs/tiny_rl.py", f"--model_path={model_path}",
                 f"--data_path={data_path}", f"--run_dir={run_dir}", f"--steps={steps}", f"--tool_isolation={isolation}",
-                "--save_every=1000", "--dump_every=0", "--kv_capacity=65536",
+                "--save_every=1000", "--dump_every=0", "--kv_capacity=65536", f"--decode_mode={decode_mode}",
                 f"--dtype={'float32' if dry else 'bfloat16'}"]
         if dry:
             args += ["--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
@@ -1427,7 +1430,7 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation):
             return {"failed": f"train_rl.py failed (rc {p.returncode})", "tail": (p.stdout + p.stderr)[-3000:]}
         keys = {"reward": "rollout/reward", "kept": "roc/kept", "grad_norm": "loss/grad_norm", "tool_calls": "tool/calls",
                 "response_len": "rollout/response_len", "t_rollout": "time/rollout", "t_train": "time/train",
-                "tok_per_s": "rollout/tok_per_s"}  # its report's names: train_rl.py's metrics.jsonl keys
+                "tok_per_s": "rollout/tok_per_s", "mismatch": "mismatch/abs_mean"}  # train_rl.py's metric names
         steps = [{k: m.get(v) for k, v in keys.items()} for m in data.read_metrics(run_dir)]
         report = {"wall_s": wall, "steps": steps, "updated": sum(bool(s["kept"]) for s in steps)}
         # what the section is for: an update on the GPU. A model that earns no reward (every group's rewards
@@ -1500,6 +1503,10 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
         # short by a device's time limit has all the others
         section("graphs", gpu_graphs, lambda rows: None, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
                 16 if dry else 128, 8 if dry else 128, hbm, sync)
+        # 5b. the RL steps with the engine's CUDA graphs: only when asked for by name (its compiles take minutes)
+        if "rl_graphs" in parts:
+            section("rl_graphs", gpu_rl_steps, functools.partial(print_gpu_rl, label="5b. RL, graphs,"), model_path,
+                    data_path, 1 if dry else rl_steps, dry, isolation, "graphs")
     print(f"wrote {out_path}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
@@ -1532,16 +1539,16 @@ def print_gpu_decode(flash, rows):
         print("4. paged flash-attn vs SDPA: not measured, flash-attn is not installed here")
 
 
-def print_gpu_rl(rl):
+def print_gpu_rl(rl, label="5. RL"):
     steps = rl.get("steps")
     if steps is None:  # skipped, or train_rl.py failed
-        print(f"5. RL steps: {rl}")
+        print(f"{label} steps: {rl}")
     else:
         for i, s in enumerate(steps, 1):
             # a step that updated nothing logs no grad norm and no update time
-            print(f"5. RL step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm'] or 0:.2f} | "
+            print(f"{label} step {i}: reward {s['reward']:.3f} | kept {s['kept']} | gnorm {s['grad_norm'] or 0:.2f} | "
                   f"len {s['response_len']:.0f} | rollout {s['t_rollout']:.1f} s ({s['tok_per_s']:,.0f} tok/s) | "
-                  f"train {s['t_train'] or 0:.2f} s")
+                  f"train {s['t_train'] or 0:.2f} s | engine vs trainer log-probs {s['mismatch'] or 0:.4f}")
         print(f"   train_rl.py wall time {rl['wall_s']:.0f} s (start-up included); {rl['updated']} of "
               f"{len(steps)} step(s) updated the weights")
     if "failed" in rl:
@@ -2034,7 +2041,7 @@ if __name__ == "__main__":
     ap.add_argument("--rl_steps", type=int, default=5, help="gpu: RL steps of configs/tiny_rl.py")
     ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
     ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
-                    "greedy_bf16, decode, graphs, rl); default all")
+                    "greedy_bf16, decode, graphs, rl; rl_graphs only when named); default all")
     ap.add_argument("--trl_python", default="/work/trl-venv/bin/python",
                     help="trl: the python of a venv with trl (bench.trl_bench's docstring)")
     ap.add_argument("--trl_steps", type=int, default=2, help="trl: RL steps per process and side")
