@@ -1319,6 +1319,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                        if hasattr(inductor_config.triton, "cudagraph_or_error") else {})
     g = torch.Generator().manual_seed(4)
     rows = []
+
+    def held_mib():
+        """the GPU memory the caching allocator holds now, MiB (None on the CPU)"""
+        return torch.cuda.memory_reserved() / 2**20 if dev == "cuda" else None
     for B in batches:
         prompts = [torch.randint(0, 512, (prompt_len,), generator=g).tolist() for _ in range(B)]
         engine = Engine(ours, NoStops(), kv_capacity=B * (prompt_len + new + 1), max_len=prompt_len + new + 1,
@@ -1350,8 +1354,8 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
         eager_tokens = run(new, "eager")  # warm-up
         # held: the GPU memory the caching allocator holds once a side's first run is done (MiB), so the growth
         # from one side to the next is what that side kept: a CUDA graph keeps its own memory pool, per shape
-        first_s, same, skips, held = {}, {}, {}, {}
-        held["eager"] = torch.cuda.memory_reserved() / 2**20 if dev == "cuda" else None
+        first_s, same, skips = {}, {}, {}
+        held = {"eager": held_mib()}
         # the sides that ran: one that fails on this device is reported, and the others still timed
         sides = ["eager"]
         for side in others:
@@ -1367,7 +1371,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             first_s[side] = time.perf_counter() - t0
             same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
             skips[side] = counters["inductor"]["cudagraph_skips"] - skipped
-            held[side] = torch.cuda.memory_reserved() / 2**20 if dev == "cuda" else None
+            held[side] = held_mib()
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
         step_bytes = weight_bytes + B * (prompt_len + new / 2) * kv_bytes_per_token
         roofline = B * hbm * 1e12 / step_bytes if hbm else None  # tokens/s if each step only read HBM once
