@@ -239,6 +239,8 @@ def test_script_runs_and_writes_outputs(tiny, first_run):
     assert read_out(out / "hard.jsonl") == [heldout[p["index"]] for p in per if p["correct"] < 2]
     assert read_out(out / "labelled.jsonl") == [heldout[p["index"]] for p in per if p["correct"] >= 1]
     assert "(pass rate < 1)" in stdout and "(>= 1 of 2 right)" in stdout
+    # the evaluation's own peak RSS (VmHWM, reset once the model is loaded): a real process's tens of MiB at least
+    assert 32 < json.load(open(out / "summary.json"))["peak_rss_mib"] < 4096
 
 
 def test_script_same_numbers_with_same_seed(tiny, first_run, tmp_path):
