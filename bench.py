@@ -1329,15 +1329,14 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                         max_rows=B)
 
         graphed = GraphedSteps(ours)  # this engine's graphs (they write into its cache)
-        # the compiled steps of the two compiled sides, each made by model.static_step on its first run, in the
-        # side's decode_mode ("reduce-overhead": "graphs"), and kept here between runs
-        compiled = {"compile": None, "reduce-overhead": None}
+        # the compiled steps of the two compiled sides, made by model.static_step on each one's first run in its
+        # decode_mode ("reduce-overhead": "graphs") and kept by the model, one a mode; afresh at each batch
+        ours.compiled = {}
         modes = {"eager": "eager", "compile": "compile", "reduce-overhead": "graphs"}
 
         def run(n, side):
             # graphs (GraphedSteps) as static's steps
             ours.decode_mode = modes.get(side, "static")
-            ours.compiled = compiled.get(side)
             if side == "graphs":
                 ours.static_step = graphed
             try:
@@ -1346,10 +1345,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                     sync()
                 return out
             finally:
-                if side in compiled:
-                    compiled[side] = ours.compiled
                 ours.decode_mode = "eager"
-                ours.compiled = None
                 ours.__dict__.pop("static_step", None)  # the method again
         eager_tokens = run(new, "eager")  # warm-up
         # held: the GPU memory the caching allocator holds once a side's first run is done (MiB), so the growth

@@ -177,9 +177,9 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
         key=(0, index // samples, index % samples),
         meta={"problem": index // samples},
         **grading.rollout_seam(problems[index // samples], task)))
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     # rank 0's bar; under torchrun it counts this rank's trajectories only, so it has no total
-    bar = tqdm(total=len(requests) if world == 1 else None, disable=rank > 0,
+    distributed = dist.is_initialized()
+    bar = tqdm(total=None if distributed else len(requests), disable=distributed and dist.get_rank() > 0,
                desc="eval", unit="traj", dynamic_ncols=True)
     # grades off the decode loop, by the task's rule, on its rows
     grader = grading.Grader(tokenizer, score_truncated,

@@ -345,10 +345,10 @@ class Qwen(nn.Module):
                                                                        bias=False)
         self.gradient_checkpointing = False
         # one-token forwards (decode steps): "eager" (forward_cached as is) or static shapes (static_step) run
-        # "static", "compile" (inductor) or "graphs" (inductor, as CUDA graphs on a GPU); the compiled function,
-        # made on first use
+        # "static", "compile" (inductor) or "graphs" (inductor, as CUDA graphs on a GPU); the compiled functions,
+        # one a mode, each made on first use
         self.decode_mode = "eager"
-        self.compiled = None
+        self.compiled = {}
         # a fresh model (tests, the tiny model) gets HF's init; on the meta device (load_model) none at all
         for name, p in self.named_parameters():
             if p.is_meta:
@@ -566,8 +566,9 @@ class Qwen(nn.Module):
             torch._dynamo.mark_static_address(pool)
         # "graphs": inductor's code run as CUDA graphs (its mode "reduce-overhead"), a graph per shape
         mode = "reduce-overhead" if self.decode_mode == "graphs" else None
-        self.compiled = self.compiled or torch.compile(self.run, fullgraph=True, mode=mode)
-        return self.compiled(input_ids, pos, att)
+        if mode not in self.compiled:
+            self.compiled[mode] = torch.compile(self.run, fullgraph=True, mode=mode)
+        return self.compiled[mode](input_ids, pos, att)
 
 
 def collate(seqs, device, packed):

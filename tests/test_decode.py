@@ -57,6 +57,11 @@ def test_graphs_compile_the_step_for_cuda_graphs_with_the_pools_in_place(tiny, m
     assert calls == [dict(fullgraph=True, mode="reduce-overhead")]
     pools = [pool for layer in engine.cache.layers for pool in layer]
     assert all(getattr(pool, "_dynamo_static_input_type", None) for pool in pools)
+    # each mode its own compiled step, made once: the same model switched to "compile", back, and again
+    for mode in ("compile", "graphs", "compile"):
+        engine.model.model.decode_mode = mode
+        engine.generate([[1, 2, 3]], 2)
+    assert calls == [dict(fullgraph=True, mode="reduce-overhead"), dict(fullgraph=True, mode=None)]
 
 
 @pytest.mark.slow
