@@ -278,10 +278,10 @@ def test_script_bad_input_is_named(tiny, tmp_path):
 def test_memory_grows_at_most_1_5_kb_a_sample(tiny):
     """1,024 problems × 8 samples of 8 tokens, 128 rows at a time, evaluated in this process: from the 2,048th
     graded trajectory to the last, RSS grows by at most 1.5 KB a sample (each sample's Summary, which is
-    kept: ~0.6 KB). With the grader keeping every grade's future until its results(), as it once did: ~3.4
-    KB. The RSS is read as each trajectory is graded, past the run's first ~2,000, where the allocator and
-    the threads settle (~100 MiB, by a different amount each run: a peak's comparison of two runs of
-    different sizes measured that, and failed the CI at 2.5 KB a sample with nothing kept)."""
+    kept: ~0.6 KB). With the grader keeping every grade's future until its results(), as it once did: 2.6 KB
+    (3.4 KB over 2,048 problems). The RSS is read as each trajectory is graded, past the run's first ~2,000,
+    where the allocator and the threads settle (~100 MiB, by a different amount each run: a peak's comparison
+    of two runs of different sizes measured that, and failed the CI at 2.5 KB a sample with nothing kept)."""
     import data
     import torch
     from transformers import AutoTokenizer
