@@ -404,7 +404,7 @@ class Engine:
         done = []
         # claim() returned no requests: it has no more
         exhausted = False
-        self.stats.update({k: 0 for k in self.stats}, tool_wait_s=0.0)
+        self.stats.update(dict.fromkeys(self.stats, 0))
         self.pager.start(budget)
         try:
             while rows or not exhausted:
