@@ -748,18 +748,6 @@ class KVCache:
 # -----------------------------------------------------------------------------
 # checkpoints: HF safetensors directories
 
-def weight_files(path):
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return [os.path.join(path, name)
-                    for name in sorted(set(json.load(f)["weight_map"].values()))]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-    return [single]
-
-
 def load_model(path, device="cpu", dtype=torch.float32):
     """a Qwen built on the meta device (no init wasted), materialised on `device` and filled from `path`.
     device="meta" returns it unmaterialised (for shard_model + load_weights)."""
@@ -782,9 +770,18 @@ def load_weights(model, path, device=None):
         if device is None:
             raise ValueError("load_weights: the model is on the meta device, pass device=")
         model.to_empty(device=device)
+    # the weight files: a sharded checkpoint's index names its shards, else one model.safetensors
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = [os.path.join(path, "model.safetensors")]
+    if os.path.exists(index):
+        with open(index) as f:
+            files = [os.path.join(path, name)
+                     for name in sorted(set(json.load(f)["weight_map"].values()))]
+    elif not os.path.exists(files[0]):
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
     params = dict(model.named_parameters())
     loaded = set()
-    for file in weight_files(path):
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 if name == "lm_head.weight" and model.cfg.tie_word_embeddings:

@@ -134,14 +134,6 @@ class Feed:
     copies: list = field(default_factory=list)
 
 
-def row_generator(seed, key):
-    """A generator seeded from (seed, step, prompt index, sample index) — never from batch position. On the
-    CPU whatever the model runs on: a GPU run draws what a CPU run draws, and a decode step on a GPU launches
-    no kernel per row for its draws (sample)."""
-    digest = hashlib.sha256(repr((seed,) + tuple(key)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-
-
 # reserve="auto": the response share (of the budget) assumed for a row of the run that has not finished yet
 AUTO_PRIOR = 0.5
 
@@ -481,7 +473,11 @@ class Engine:
             if prompt_len + 1 > self.max_len:
                 raise ValueError(
                     f"prompt of {prompt_len} tokens does not fit max_len {self.max_len}")
-            generator = row_generator(self.seed, request.key)
+            # the row's sampling generator, seeded from (seed, step, prompt index, sample index), never from
+            # its batch position; on the CPU whatever the model runs on: a GPU run draws what a CPU run draws,
+            # and a decode step on a GPU launches no kernel per row for its draws (sample)
+            digest = hashlib.sha256(repr((self.seed, *request.key)).encode()).digest()
+            generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
             row = Row(request, free.pop(), generator, min(budget, self.max_len - prompt_len),
                       seq=next(self.pager.seq))
             rows[row.slot] = row

@@ -305,3 +305,17 @@ def test_memory_grows_at_most_1_5_kb_a_sample(tiny):
     measured = rss_kib[2048:]
     per_sample = (measured[-1] - measured[0]) * 1024 / (len(measured) - 1)
     assert per_sample <= 1536, (per_sample, rss_kib[::1024])
+
+
+def test_prompts_tokenized_in_batches_as_one_at_a_time(tiny):
+    """grading.tokenize_prompts encodes 1,024 prompts a call: 1,030 problems (a second, partial batch) give the
+    ids, order and int32 arrays that encoding each prompt alone gives."""
+    import data
+    from transformers import AutoTokenizer
+    problems = data.make_problems(1030, seed=7)
+    tok = AutoTokenizer.from_pretrained(tiny / "base")
+    batched = grading.tokenize_prompts(problems, math_task, tok)
+    assert len(batched) == len(problems)
+    for problem, ids in zip(problems, batched):
+        alone = tok.encode(math_task.prompt(problem), add_special_tokens=False)
+        assert ids.dtype == "int32" and ids.tolist() == alone
