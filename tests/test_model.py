@@ -264,6 +264,10 @@ def test_save_then_transformers_load(pair, tmp_path):
     # re-saving unsharded into the sharded directory must not leave the old index behind
     save_model(fresh, str(out))
     assert sorted(f for f in os.listdir(out) if f.startswith("model")) == ["model.safetensors"]
+    # a directory with a config and no weights is refused, named
+    os.remove(out / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=f"{out}: neither model.safetensors nor"):
+        load_model(str(out))
 
 
 def test_incremental_decoding_matches_full_forward(pair):
