@@ -985,7 +985,8 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     each decoder layer through inductor, as the compile_update key does (inductor; its compile is timed apart, before
     the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
     frozen reference's no_grad forward per micro-batch, then k3 in the loss; the reference's forward is timed
-    on its own inside it."""
+    on its own inside it. "now @N" and "compiled @N": now's and compiled's update on configs/tiny_rl.py's own
+    micro-batches of N tokens (1,024 since issue 45: closer lengths share a micro-batch, less padding)."""
     import copy
     from common import pack, pack_sorted
     from grpo_roc import kl_penalty
@@ -1009,12 +1010,16 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     seqs = tiny_rl_batch()
     lengths = [len(x["ids"]) for x in seqs]
     n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
+    # the tiny RL config's own micro-batches (configs/tiny_rl.py: 1,024 tokens since issue 45, 4,096 before)
+    tiny = train_rl_config(["configs/tiny_rl.py"])["max_tokens_per_micro"]
     # name: (micro-batches, the output layer at the loss positions only, the model, RMSNorm written out)
     plans = {"before": (pack(lengths, max_tokens), False, model, False),
              "unfused": (pack_sorted(lengths, max_tokens), True, model, True),
              "now": (pack_sorted(lengths, max_tokens), True, model, False),
              "compiled": (pack_sorted(lengths, max_tokens), True, compiled, False),
-             "now + KL": (pack_sorted(lengths, max_tokens), True, model, False)}
+             "now + KL": (pack_sorted(lengths, max_tokens), True, model, False),
+             f"now @{tiny}": (pack_sorted(lengths, tiny), True, model, False),
+             f"compiled @{tiny}": (pack_sorted(lengths, tiny), True, compiled, False)}
     out = {}
     ref_times = []
 
@@ -1061,23 +1066,25 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     print(f"\n(u) the policy update of one tiny RL step: {len(seqs)} trajectories, {sum(lengths):,} tokens, "
           f"the loss on {int(n_tokens):,}; tiny model shape ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, vocab "
           f"{cfg.vocab_size}), {rounds} rounds, load average {load():.2f}")
-    print(f"{'':9s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
+    print(f"{'':14s} {'micro-batches':>13s} {'padded slots':>12s} {'head positions':>14s} {'s/update':>9s} "
           f"{'loss':>12s} {'entropy':>9s} {'grad norm':>10s} {'loss/kl':>8s} {'max |grad - now|':>16s}")
     for name, t in zip(plans, times):
         bins, at_loss = plans[name][:2]
-        slots = sum(len(b) * max(lengths[i] for i in b) for b in bins)
+        slots = sum(len(b) * max(lengths[i] for i in b) for b in bins if b)
         loss, ent, norm, kl, grads = out[name]
         diff = max(float((a - b).abs().max()) for a, b in zip(grads, out["now"][4]))
-        print(f"{name:9s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
+        print(f"{name:14s} {len(bins):13d} {slots:12,} {int(n_tokens) if at_loss else slots:14,} {t:9.3f} "
               f"{loss:12.8f} {ent:9.5f} {norm:10.6f} {kl:8.1e} {diff:16.2e}")
     speed = dict(zip(plans, times))
     print(f"goal: the update >= x1.4 faster than before: x{speed['before'] / speed['now']:.2f}")
     print(f"issue 45: now / unfused x{speed['unfused'] / speed['now']:.2f}, compiled / unfused "
           f"x{speed['unfused'] / speed['compiled']:.2f}, compiled / now x{speed['now'] / speed['compiled']:.2f} "
           f"(goal >= x1.3 of today's); compile {compile_s:.1f} s (first update, not in the rounds)")
+    now = speed["now"]
+    print(f"the tiny config's micro-batches ({tiny} tokens; {max_tokens} above): now x{now / speed[f'now @{tiny}']:.2f}, "
+          f"compiled x{now / speed[f'compiled @{tiny}']:.2f} of now at {max_tokens}")
     ref = statistics.median(ref_times)
     with_kl = speed["now + KL"]
-    now = speed["now"]
     print(f"the KL term (kl_coef {kl_coef}): the update x{with_kl / now:.2f} ({with_kl - now:+.3f} s), of which the "
           f"reference's forward (time/reference) {ref:.3f} s = {ref / now:.0%} of the update without it")
 
