@@ -1081,8 +1081,9 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
           f"x{speed['unfused'] / speed['compiled']:.2f}, compiled / now x{speed['now'] / speed['compiled']:.2f} "
           f"(goal >= x1.3 of today's); compile {compile_s:.1f} s (first update, not in the rounds)")
     now = speed["now"]
-    print(f"the tiny config's micro-batches ({tiny} tokens; {max_tokens} above): now x{now / speed[f'now @{tiny}']:.2f}, "
-          f"compiled x{now / speed[f'compiled @{tiny}']:.2f} of now at {max_tokens}")
+    print(f"the tiny config's micro-batches ({tiny} tokens; {max_tokens} above): "
+          f"now x{now / speed[f'now @{tiny}']:.2f}, compiled x{now / speed[f'compiled @{tiny}']:.2f} "
+          f"of now at {max_tokens}")
     ref = statistics.median(ref_times)
     with_kl = speed["now + KL"]
     print(f"the KL term (kl_coef {kl_coef}): the update x{with_kl / now:.2f} ({with_kl - now:+.3f} s), of which the "
