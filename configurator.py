@@ -26,6 +26,12 @@ def fail(msg):
     sys.exit(2)
 
 
+def settings(scope):
+    """The config keys a scope holds (a script's globals, a config file's names): its public plain values."""
+    return {key: value for key, value in scope.items()
+            if not key.startswith("_") and isinstance(value, SIMPLE)}
+
+
 def check(key, value, defaults, where):
     """Return value converted to the type of the default, or exit naming the key."""
     if key not in defaults:
@@ -80,7 +86,7 @@ def key_comments(path):
 def configure(g, argv=None):
     """Apply config files and --key=value overrides from argv to the dict g (a module's globals)."""
     argv = sys.argv[1:] if argv is None else argv
-    defaults = {k: v for k, v in g.items() if not k.startswith("_") and isinstance(v, SIMPLE)}
+    defaults = settings(g)
     verbose = int(os.environ.get("RANK", "0")) == 0
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
@@ -112,8 +118,7 @@ def configure(g, argv=None):
                 line = tb.tb_lineno if tb else "?"
                 fail(f"{arg}:{line}: {type(e).__name__}: {e}")
             where = label = arg
-            assigned = {key: value for key, value in scope.items()
-                        if not key.startswith("_") and isinstance(value, SIMPLE)}
+            assigned = settings(scope)
         # each one checked against its default (an unknown key or a wrong type exits, naming it), then echoed
         for key, value in assigned.items():
             g[key] = check(key, value, defaults, where)
