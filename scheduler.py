@@ -125,7 +125,8 @@ def summarize(trajectory, grade):
                    [call.tool for call in calls],
                    agent.call_faults(calls),
                    len(trajectory.prompt_ids), len(trajectory.response_ids), sum(trajectory.mask),
-                   grade.reward, grade.correct, grade.n_answers, grade.pred, grade.vote)
+                   # the grade's fields, by name: reward, correct, n_answers, pred, vote
+                   **asdict(grade))
 
 
 def rollout_metrics(summaries, tool_names=()):
