@@ -103,7 +103,8 @@ def majority_vote(answers):
 
 def metrics(groups):
     """groups: one list of scheduler.Summary per problem, in sample order. Returns (summary, per_problem)."""
-    if not groups or any(len(group) != len(groups[0]) or not group for group in groups):
+    sizes = {len(group) for group in groups}
+    if len(sizes) != 1 or 0 in sizes:
         raise ValueError(f"need the same non-zero number of samples for every problem, "
                          f"got {[len(group) for group in groups]}")
     k = len(groups[0])
@@ -129,11 +130,10 @@ def metrics(groups):
             "truncated": sum(summary.finish == "length" for summary in group),
         })
     accuracies = [row["accuracy"] for row in per_problem]
-    # pass@j for j = 1, 2, 4, ... below k, and k itself
+    # pass@j for j = 1, 2, 4, ... below k (the powers of two up to k - 1), and k itself
     passes = {f"pass@{attempts}": statistics.fmean(pass_at_k(k, row["correct"], attempts)
                                                    for row in per_problem)
-              for attempts in sorted({2 ** power for power in range(k.bit_length())
-                                      if 2 ** power < k} | {k})}
+              for attempts in [2 ** power for power in range((k - 1).bit_length())] + [k]}
     summary = {
         "problems": len(groups),
         "samples": k,
@@ -152,9 +152,9 @@ def metrics(groups):
                                                          for summary in summaries),
         "rollout/sampled_len": statistics.fmean(summary.n_sampled for summary in summaries),
         "rollout/sampled_len_median": statistics.median(summary.n_sampled for summary in summaries),
-        "rollout/max_turns_frac": sum(summary.finish == "max_turns"
-                                      for summary in summaries) / len(summaries),
-        "rollout/no_answer_frac": sum(not summary.pred for summary in summaries) / len(summaries),
+        "rollout/max_turns_frac": statistics.fmean(summary.finish == "max_turns"
+                                                   for summary in summaries),
+        "rollout/no_answer_frac": statistics.fmean(not summary.pred for summary in summaries),
     }
     return summary, per_problem
 
