@@ -351,7 +351,7 @@ if __name__ == "__main__":
            f"| model {model_path} | T {temperature} top-p {top_p} | budget {max_response_tokens} "
            f"| turns {max_turns} | {world} rank(s) × {rows} rows")
     os.makedirs(out_dir, exist_ok=True)
-    dump = open(os.path.join(out_dir, f"trajectories.jsonl.{rank}"), "w") if save_trajectories else None
+    dump = open(f"{out_dir}/trajectories.jsonl.{rank}", "w") if save_trajectories else None
 
     # train_rl.py's dump record, written by the rank that made the trajectory
     def write(trajectory, summary):
@@ -419,14 +419,14 @@ if __name__ == "__main__":
                 f"{row['tool_calls']} ({row['tool_errors']}) | {row['truncated']} |"
                 for row in per_problem]
         print("\n".join(table[4:]))
-        with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        with open(f"{out_dir}/summary.md", "w") as f:
             f.write("\n".join(table + per) + "\n")
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        with open(f"{out_dir}/summary.json", "w") as f:
             json.dump(summary, f, indent=2)
-        write_jsonl(os.path.join(out_dir, "per_problem.jsonl"), per_problem)
+        write_jsonl(f"{out_dir}/per_problem.jsonl", per_problem)
         # the ranks' parts, one after the other: sort by (group, sample) to read in order
         if save_trajectories:
-            join_parts(os.path.join(out_dir, "trajectories.jsonl"), world)
+            join_parts(f"{out_dir}/trajectories.jsonl", world)
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         # the two keep rules: which rows, from how many right samples to how many, the rule in words
