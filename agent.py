@@ -321,7 +321,7 @@ def tool_response_text(result, max_chars=256):
         head = ["Tool call success"]
     elif status == "timeout":
         head = ["Tool call failure", "reason: worker_timeout"]
-        stdout = stdout + "Suicide from timeout.\n"
+        stdout += "Suicide from timeout.\n"
     elif status in ("error", "memory", "crash"):
         # stdout: only what the harness had flushed (the sandbox's)
         head = ["Tool call failure", "reason: "]
