@@ -114,7 +114,7 @@ def penalty(num_calls, num_errors, num_answers, num_turns, num_overloaded=0):
 
 
 def _check_rewards(rewards):
-    if not bool(((rewards >= 0) & (rewards <= 1)).all()):
+    if not ((rewards >= 0) & (rewards <= 1)).all():
         raise ValueError(
             f"rewards must be in [0, 1], got values {rewards.unique().tolist()}")
 
@@ -154,7 +154,7 @@ def resample_on_correct(rewards, penalties, G, generator, *,
         raise ValueError(f"rewards and penalties must both have shape (2G,) = ({2 * G},), "
                          f"got {tuple(rewards.shape)} and {tuple(penalties.shape)}")
     _check_rewards(rewards)
-    if not bool(torch.isfinite(penalties).all()) or bool((penalties < 0).any()):
+    if not torch.isfinite(penalties).all() or (penalties < 0).any():
         raise ValueError(f"penalties must be finite and >= 0, got {penalties.tolist()}")
     # the ones the update reinforces (A >= 0: the module docstring's rule)
     above = positives(rewards)
@@ -442,7 +442,7 @@ def mismatch(trainer_logprobs, engine_logprobs, mask):
     # d is 0 off the mask, so the max over all of it is the max over the mask (0 with no mask-1 token)
     return {"abs": d.abs().sum(), "max": d.abs().max(),
             "k3": torch.where(mask, d.exp() - 1 - d, 0.0).sum(),
-            "out": (mask & ((d < -math.log(2)) | (d > math.log(2)))).sum(), "n": mask.sum()}
+            "out": (mask & (d.abs() > math.log(2))).sum(), "n": mask.sum()}
 
 
 def tis_weights(trainer_logprobs, engine_logprobs, cap):
