@@ -478,11 +478,11 @@ while step < steps:
                 logprobs, entropy = micro_logprobs(model, micro, with_entropy=True)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[micro_index]
                 # the engine sampled these tokens: how far are its log-probs from the trainer's (old) ones?
-                engine_logprobs = micro["engine_logprobs"].float()
+                engine_logprobs = micro["engine_logprobs"]  # float32, as collate makes every float
                 gap = grpo_roc.mismatch(old, engine_logprobs, mask)
                 mismatch_max = torch.maximum(mismatch_max, gap.pop("max"))
                 for key, value in gap.items():
-                    sums[key] = sums[key] + value
+                    sums[key] += value
                 # corrections for that gap, off by default: truncated importance weights, sequence masking
                 token_weights = None
                 if tis_cap:
@@ -504,7 +504,7 @@ while step < steps:
                                   traj_index=micro["traj_index"])  # (B, T)
                     term_mean = torch.where(mask, values, 0.0).sum() / n_tokens
                     loss = loss + coef * term_mean
-                    sums[name] = sums[name] + term_mean.detach() / len(parts)
+                    sums[name] += term_mean.detach() / len(parts)
                 # FSDP averages gradients over ranks; the loss is already normalised by the global count
                 (loss * world).backward()
                 # token-weighted means over the whole mini-batch, averaged over mini-batches (ranks: step 4)
