@@ -230,7 +230,8 @@ if __name__ == "__main__":
     rank, world, device = compute_init(seed)
     model_path = resolve_model(model_path)
     # packed rows for flash-attn's varlen kernel, padded batches for SDPA
-    packed = use_flash(device, getattr(torch, dtype))
+    ptdtype = getattr(torch, dtype)
+    packed = use_flash(device, ptdtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if chat_template:
         with open(chat_template) as template_file:
@@ -254,7 +255,7 @@ if __name__ == "__main__":
             sys.exit(f"data error: {error}")
         except OSError as error:
             sys.exit(f"data error: {path}: cannot read it ({error.strerror})")
-        mix.append((path, fmt, float(weight), rows, open(path, "rb")))
+        mix.append((path, fmt, weight, rows, open(path, "rb")))
         print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
     # mix holds (path, format, weight, rows, open file)
     sizes = [len(entry[3]) for entry in mix]
@@ -263,7 +264,7 @@ if __name__ == "__main__":
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
 
-    model = load_trainable(model_path, device, getattr(torch, dtype), activation_checkpointing)
+    model = load_trainable(model_path, device, ptdtype, activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch
