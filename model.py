@@ -383,16 +383,16 @@ class Qwen(nn.Module):
             m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
             start = torch.ones_like(m, dtype=torch.bool)  # (B, T) True where a segment begins
-            start[:, 1:] = m[:, 1:] != m[:, :-1]
+            start[:, 1:] = m.diff() != 0
             # (B, T), restarting per segment
             positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values
             if flash:
-                idx = (m.reshape(-1) != 0).nonzero().squeeze(1)  # (N,) flat indices of real tokens
+                idx = (m.flatten() != 0).nonzero().squeeze(1)  # (N,) flat indices of real tokens
                 # where each segment begins among them
-                seg_starts = start.reshape(-1)[idx].nonzero().squeeze(1)
+                seg_starts = start.flatten()[idx].nonzero().squeeze(1)
                 # (S + 1,) cumulative lengths
                 cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()
-                att = dict(flash=True, varlen=(idx, cu, int((cu[1:] - cu[:-1]).max())))
+                att = dict(flash=True, varlen=(idx, cu, int(cu.diff().max())))
             else:
                 seg = start.cumsum(1)  # (B, T) segment number within the row
                 causal = t[:, None] >= t[None, :]  # (T, T)
@@ -401,13 +401,13 @@ class Qwen(nn.Module):
         x = self.run(input_ids, positions, att)  # (B, T, D)
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
-        h = x.reshape(B * T, -1)
-        tg = targets.reshape(B * T).clamp(min=0)  # clamp: ignore_index -100 is fine
+        h = x.flatten(0, 1)  # (B * T, D)
+        tg = targets.flatten().clamp(min=0)  # clamp: ignore_index -100 is fine
         if where is not None:
             # the output layer only at the positions asked for (the loss's): in an RL batch most positions are
             # prompt, tool output or padding. With none asked for, position 0 still goes through the head, so
             # its weight joins the backward on every rank (FSDP reduces it everywhere), then is zeroed below
-            picked = where.reshape(B * T).nonzero().squeeze(1)  # (N,)
+            picked = where.flatten().nonzero().squeeze(1)  # (N,)
             picked = picked if picked.numel() else picked.new_zeros(1)
             h = h[picked]
             tg = tg[picked]
@@ -421,7 +421,7 @@ class Qwen(nn.Module):
         if with_entropy:
             out.append(torch.cat([e[0] for e in ents]))
         if where is not None:  # back to (B, T), 0 at every position not asked for
-            asked = where.reshape(B * T)[picked].bool()
+            asked = where.flatten()[picked].bool()
             out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0))
                    for z in out]
         out = [z.view(B, T) for z in out]
@@ -590,7 +590,7 @@ def collate(seqs, device, packed):
     else:
         width = max(lengths)
         out = {k: np.stack([np.pad(x, (0, width - len(x))) for x in v]) for k, v in cols.items()}
-        out["seg"] = (np.arange(width)[None] < np.array(lengths)[:, None]).astype(np.int64)
+        out["seg"] = np.arange(width)[None] < np.array(lengths)[:, None]  # True on real tokens (int64 below)
     return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
             for k, v in out.items()}
 
@@ -790,7 +790,7 @@ def load_weights(model, path, device=None):
                     raise KeyError(f"{file}: tensor {name!r} matches no parameter of the model")
                 p = params[name]
                 sl = f.get_slice(name)
-                if tuple(sl.get_shape()) != tuple(p.shape):
+                if tuple(sl.get_shape()) != p.shape:
                     raise ValueError(f"{file}: {name} has shape {sl.get_shape()}, the model "
                                      f"expects {tuple(p.shape)}")
                 # the rows of the tensor this rank holds, from row `start`: all of them unless sharded
@@ -826,7 +826,7 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
     """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     params = dict(model.named_parameters())
-    dtype = dtype or next(iter(params.values())).dtype
+    dtype = dtype or next(model.parameters()).dtype
     # plan shards from global sizes, so every rank agrees without communication
     shards = [[]]
     size = 0  # bytes in the last shard
