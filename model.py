@@ -99,13 +99,11 @@ class Config:
 
     def to_dict(self, dtype):
         """the config.json that transformers (4.x and 5.x) reads back"""
-        d = asdict(self)
-        # Qwen3ForCausalLM or Qwen2ForCausalLM
-        d.update(architectures=[f"{self.model_type.capitalize()}ForCausalLM"], hidden_act="silu",
-                 use_cache=True, use_sliding_window=False,
-                 rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                 torch_dtype=str(dtype).removeprefix("torch."))
-        return d
+        # architectures: Qwen3ForCausalLM or Qwen2ForCausalLM
+        return dict(asdict(self), architectures=[f"{self.model_type.capitalize()}ForCausalLM"],
+                    hidden_act="silu", use_cache=True, use_sliding_window=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+                    torch_dtype=str(dtype).removeprefix("torch."))
 
 
 def use_flash(device, dtype):
@@ -595,17 +593,17 @@ def collate(seqs, device, packed):
             for k, v in out.items()}
 
 
-def token_logprobs(model, input_ids, targets, attention_mask=None, chunk_size=1024, with_entropy=False,
-                   where=None):
+def token_logprobs(model, input_ids, targets, attention_mask=None, **kwargs):
     """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
 
+    kwargs, Qwen.forward's: chunk_size=1024 (positions whose logits are held at once), with_entropy=False
+    (True: the entropy too), where=None.
     where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
     matmul of a small model, then runs on the sampled tokens alone); 0 elsewhere, with no gradient.
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.
     Goes through model(...) so FSDP's hooks gather the head weights as for any forward (which checks the shapes).
     """
-    return model(input_ids, attention_mask, targets=targets, chunk_size=chunk_size,
-                 with_entropy=with_entropy, where=where)
+    return model(input_ids, attention_mask, targets=targets, **kwargs)
 
 
 # -----------------------------------------------------------------------------
@@ -867,15 +865,15 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
 # -----------------------------------------------------------------------------
 # FSDP2
 
-def shard_model(model, mesh=None, param_dtype=torch.bfloat16, reduce_dtype=torch.float32):
+def shard_model(model, mesh=None, param_dtype=torch.bfloat16):
     """fully_shard each decoder layer, then the root (embeddings, final norm, head).
 
     Params stay fp32 shards (the master copy the optimizer updates); forward/backward all-gather them
-    in param_dtype (None = keep fp32, for CPU tests) and reduce-scatter grads in reduce_dtype.
+    in param_dtype (None = keep fp32, for CPU tests) and reduce-scatter grads in fp32.
     forward_cached is registered too, so a sharded model can also decode.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
