@@ -194,8 +194,9 @@ def _warm(rich):
             # cause)
             why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise RuntimeError(f"cannot import {name} in the sandbox: {why}") from None
-    # run the common paths once so lazy imports and caches fill here, not per call
-    if "sympy" in sys.modules:
+    # the rich worker runs the common paths once so lazy imports and caches fill here, not per call
+    if rich:
+        import numpy as np
         import sympy as sp
         x = sp.Symbol("x")
         sp.factor(x**4 - 1), sp.expand((x + 1)**5), sp.solve(x**2 - 2, x), sp.simplify(sp.sin(x)**2 + sp.cos(x)**2)
@@ -203,8 +204,6 @@ def _warm(rich):
         sp.series(sp.exp(x), x, 0, 4), sp.Matrix([[1, 2], [3, 4]]).det(), sp.nsimplify(0.5), sp.N(sp.pi, 30)
         sp.isprime(97), sp.factorint(360), sp.Rational(1, 3) + sp.Rational(1, 6), sp.latex(sp.sqrt(8) / x)
         sp.sympify("x**2 + 2*x + 1"), sp.Poly(x**3 - 1, x).all_coeffs(), sp.binomial(10, 3), sp.summation(x, (x, 1, 10))
-    if "numpy" in sys.modules:
-        import numpy as np
         np.linalg.solve(np.eye(3), np.ones(3)), np.arange(10).sum(), np.sqrt(np.array([4.0]))
     gc.collect()
     # keep the collector from touching (and so copying) the parent's pages in every child
