@@ -70,6 +70,10 @@ CALL_DIR = "/tmp/call"
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
 # the stack of each call's init, which only ever calls pause()
 INIT_STACK = ctypes.create_string_buffer(1 << 16)
+# this process's C library, for the calls os lacks (mount, umount2, unshare, setns, clone, capset, prctl, madvise)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 # ------------------------------------------------------------------------------------------------
 # the worker: runs inside the sandbox, one call at a time, forking a locked-down child per call
@@ -80,12 +84,6 @@ PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "c
            "heapq", "bisect", "random", "statistics", "re", "string", "json")
 RICH = ("numpy", "sympy", "scipy")  # scipy's top level only (~1 MB): preloading its submodules
 # (optimize, integrate, special, linalg) doubled the rich worker's memory and so its fork time
-
-
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    return libc
 
 
 def _check(result, what):
@@ -101,17 +99,16 @@ def main(cfg):
     os.dup2(null, 0)
     os.dup2(null, 1)
     sys.dont_write_bytecode = True  # (-I keeps this file's directory off sys.path)
-    libc = _libc()
     try:
         problems = _isolation_problems(cfg)
         if problems:
             raise RuntimeError("the sandbox is not isolated: " + "; ".join(problems))
-        _prepare_calls(cfg, libc)
+        _prepare_calls(cfg)
         _warm(cfg["rich"])
         # the call's uid must be able to import what the worker did not preload
         if cfg["mode"] != "none":
             canary = _call("import os, sys\nfor p in sys.path:\n    p.endswith('.zip') or os.listdir(p)", "", 30,
-                           cfg, _vmsize(), libc)
+                           cfg, _vmsize())
             # the first line of the harness's report, or the last of a traceback
             if canary["status"] != "ok":
                 lines = canary["stderr"].strip().splitlines() or [canary["status"]]
@@ -130,13 +127,13 @@ def main(cfg):
         # the request: code, stdin, timeout
         r = json.loads(line)
         # run it from nothing in a forked child (_call), then answer with its Result's fields
-        out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm, libc)
+        out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm)
         rep.write(json.dumps(out) + "\n")
     if cfg["mode"] == "none":
         shutil.rmtree(os.path.dirname(cfg["tmp"]), ignore_errors=True)  # on the host's /tmp
 
 
-def _prepare_calls(cfg, libc):
+def _prepare_calls(cfg):
     """What every call's child would otherwise set up itself: done once here, inherited by each fork
     (each step a child skips is pages it does not copy-on-write)."""
     # the call's directory: with bwrap, CALL_DIR, where each call gets a tmpfs of its own; with isolation "none"
@@ -211,8 +208,7 @@ def _warm(rich):
     # back the warm heap with huge pages where the kernel can (MADV_COLLAPSE, Linux >= 6.1; elsewhere a
     # no-op): fork then copies one page-table entry per 2 MiB instead of 512, and fork is most of a call
     # (trivial calls took ~40% less time on a 2-core VM)
-    libc, huge = _libc(), 2 << 20
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    huge = 2 << 20
     with open("/proc/self/maps") as f:
         # one mapping a line: keep the writable anonymous ones and the heap
         for line in f:
@@ -226,7 +222,7 @@ def _warm(rich):
                 libc.madvise(lo, hi - lo, 25)  # MADV_COLLAPSE
 
 
-def _call(code, stdin, timeout, cfg, vm, libc):
+def _call(code, stdin, timeout, cfg, vm):
     """Run one call from nothing, in a forked child; return the Result fields as a dict."""
     isolated, tmp = cfg["mode"] != "none", cfg["tmp"]
     # 1) an empty directory of its own: with bwrap a fresh tmpfs, whose size is all the file space it gets
@@ -245,14 +241,14 @@ def _call(code, stdin, timeout, cfg, vm, libc):
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
-    init = _start_init(libc) if isolated else None
+    init = _start_init() if isolated else None
     # the child inherits these wrappers: nothing of ours in them
     sys.stdout.flush(), sys.stderr.flush()
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         # no return
-        _child(code, t0 + timeout, timeout, cfg, vm, libc, (stdin_fd, out_w, err_w, ctl_w))
+        _child(code, t0 + timeout, timeout, cfg, vm, (stdin_fd, out_w, err_w, ctl_w))
     if isolated:
         # our next children are in our namespace again
         _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")
@@ -299,7 +295,7 @@ def _call(code, stdin, timeout, cfg, vm, libc):
             "value": value if has_value else "", "duration": duration}
 
 
-def _start_init(libc):
+def _start_init():
     """A pid namespace for our next child, and its init: a clone of this process sharing its memory (so nothing
     is copied), sitting in pause() until it is killed. As init it ignores every signal sent from inside its
     namespace (it has no handlers), and when it dies every process of the namespace dies with it."""
@@ -371,7 +367,7 @@ def _collect(pid, fds, deadline, cfg):
     return [bufs[fd].decode(errors="replace") for fd in fds], [dropped[fd] for fd in fds[:2]], timed_out and not exited
 
 
-def _child(code, deadline, timeout, cfg, vm, libc, fds):
+def _child(code, deadline, timeout, cfg, vm, fds):
     """The forked child: lock down, then run `code` as __main__, as the release's harness runs it
     (_run_as_release). Never returns into the worker.
     (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
