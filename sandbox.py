@@ -524,7 +524,7 @@ def _claim_uids(workers):
         lock = os.open(f"/run/nano-rstar2-sandbox-uids-{first}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         with contextlib.suppress(OSError):  # (OSError: another pool holds it)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not any(uid in in_use for uid in range(first, first + workers)):
+            if in_use.isdisjoint(range(first, first + workers)):
                 return lock, first
         os.close(lock)
     raise RuntimeError(f"sandbox: refusing to start: no free block of slot uids from {FIRST_UID}")
