@@ -143,7 +143,8 @@ def _prepare_calls(cfg):
         os.chmod(os.path.dirname(cfg["tmp"]), 0o711)  # the call's uid may pass
     else:
         cfg["tmp"], cfg["pid_ns"] = CALL_DIR, os.open("/proc/self/ns/pid", os.O_RDONLY)
-        cfg["uid"] = os.getuid() if cfg["uid"] is None else cfg["uid"]  # a normal user: its own uid
+        if cfg["uid"] is None:  # a normal user: its own uid
+            cfg["uid"] = os.getuid()
     os.environ.update(HOME=cfg["tmp"], TMPDIR=cfg["tmp"])
     tempfile.tempdir = cfg["tmp"]
     # PR_SET_NO_NEW_PRIVS (inherited): setuid binaries give no privileges back
