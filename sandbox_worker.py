@@ -444,7 +444,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
             status = "memory" if isinstance(e.error, MemoryError) else "error"
             exit_code, flush = 1, (sys.stderr,)
             try:
-                print(str(e), file=sys.stderr)
+                print(e, file=sys.stderr)
             except MemoryError:
                 os.write(2, type(e.error).__name__.encode() + b"\n")
         except BaseException as e:
