@@ -604,8 +604,7 @@ def view(dists=RICH_DISTS):
         # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
             # under the real site-packages: the one the worker's sys.path holds
-            where = str(dist.locate_file(top))
-            need(os.path.join(os.path.realpath(os.path.dirname(where)), top))
+            need(os.path.join(os.path.realpath(dist.locate_file(top).parent), top))
         # its shared objects (for the loader's listing below) and its requirements (to visit next)
         sos += [os.path.realpath(dist.locate_file(f)) for f in dist.files or []
                 if f.parts[0] != ".." and ".so" in f.name]
