@@ -441,12 +441,12 @@ def _child(code, deadline, timeout, cfg, vm, fds):
         except _Reported as e:
             # the harness prints its report and ends with os._exit(1): what print() left in stdout's buffer is lost
             # (only what was flushed stays)
-            status = "memory" if isinstance(e.error, MemoryError) else "error"
+            status = "memory" if isinstance(e.__cause__, MemoryError) else "error"
             exit_code, flush = 1, (sys.stderr,)
             try:
                 print(e, file=sys.stderr)
             except MemoryError:
-                os.write(2, type(e.error).__name__.encode() + b"\n")
+                os.write(2, type(e.__cause__).__name__.encode() + b"\n")
         except BaseException as e:
             # the harness prints a traceback (then os._exit(1)); python3 does the same for a KeyboardInterrupt and
             # the like (and then flushes stdout)
@@ -470,10 +470,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
 
 
 class _Reported(Exception):
-    """An exception raised by the call's code, with the words the release's harness writes for it."""
-    def __init__(self, error, words):
-        super().__init__(words)
-        self.error = error
+    """The words the release's harness writes for an exception raised by the call's code (its __cause__)."""
 
 
 def _run_as_release(code, scope):
@@ -497,7 +494,7 @@ def _run_as_release(code, scope):
     try:
         tree = ast.parse(code)
     except SyntaxError as e:
-        raise _Reported(e, _release_words(e, code)) from None
+        raise _Reported(_release_words(e, code)) from e
     head, tail = code, None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         lines, last = code.splitlines(), tree.body[-1]
@@ -507,7 +504,7 @@ def _run_as_release(code, scope):
         try:
             exec(compile(head, "<string>", "exec"), scope)
         except Exception as e:
-            raise _Reported(e, _release_words(e, head)) from None
+            raise _Reported(_release_words(e, head)) from e
     if tail:
         try:
             value = eval(compile(tail, "<string>", "eval"), scope)
@@ -516,7 +513,7 @@ def _run_as_release(code, scope):
             try:
                 exec(compile(tail, "<string>", "exec"), scope)
             except Exception as e:
-                raise _Reported(e, _release_words(e, tail, len(head.splitlines()))) from None
+                raise _Reported(_release_words(e, tail, len(head.splitlines()))) from e
     return None
 
 
