@@ -596,7 +596,8 @@ def view(dists=RICH_DISTS):
         try:
             dist = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
-            missing.append(f"the {name} package (pip install {name})") if name in dists else None
+            if name in dists:
+                missing.append(f"the {name} package (pip install {name})")
             continue
         # its top-level files and directories, bound under the real site-packages
         for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
