@@ -240,6 +240,7 @@ def _call(code, stdin, timeout, cfg, vm):
     # (its offset stays at 0, where the child reads)
     os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
     (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
+    child_fds = (stdin_fd, out_w, err_w, ctl_w)  # its 0, 1, 2 and 3
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init() if isolated else None
@@ -249,11 +250,11 @@ def _call(code, stdin, timeout, cfg, vm):
     pid = os.fork()
     if pid == 0:
         # no return
-        _child(code, t0 + timeout, timeout, cfg, vm, (stdin_fd, out_w, err_w, ctl_w))
+        _child(code, t0 + timeout, timeout, cfg, vm, child_fds)
     if isolated:
         # our next children are in our namespace again
         _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")
-    for fd in (stdin_fd, out_w, err_w, ctl_w):
+    for fd in child_fds:
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
     outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg)
