@@ -70,7 +70,7 @@ CALL_DIR = "/tmp/call"
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
 # the stack of each call's init, which only ever calls pause()
 INIT_STACK = ctypes.create_string_buffer(1 << 16)
-# this process's C library, for the calls os lacks (mount, umount2, unshare, setns, clone, capset, prctl, madvise)
+# the C library, for what os lacks (mount, umount2, unshare, setns, clone, capset, prctl, madvise)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -471,7 +471,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
 
 
 class _Reported(Exception):
-    """The words the release's harness writes for an exception raised by the call's code (its __cause__)."""
+    """The release harness's words for an exception of the call's code (its __cause__)."""
 
 
 def _run_as_release(code, scope):
