@@ -461,18 +461,20 @@ class Qwen(nn.Module):
         B, T = input_ids.shape
         # a slice, list or tensor of rows -> LongTensor (B,)
         rows = torch.arange(cache.num_rows)[rows]
-        if rows.shape != (B,) or len(set(rows.tolist())) != B:
-            raise ValueError(f"rows must be {B} distinct row indices, got {rows.tolist()}")
+        row_indices = rows.tolist()
+        if rows.shape != (B,) or len(set(row_indices)) != B:
+            raise ValueError(f"rows must be {B} distinct row indices, got {row_indices}")
         lengths = cache.lengths[rows]  # (B,) on CPU
         n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
         if n.shape != (B,) or not (1 <= n.min() and n.max() <= T):
             raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n.tolist()}")
         # the rows without the pages their new tokens need
-        short = (lengths + n > cache.npages[rows] * cache.page_size).nonzero()[:, 0]
+        held = torch.tensor([cache.npages[row] for row in row_indices])  # (B,) pages
+        short = (lengths + n > held * cache.page_size).nonzero()[:, 0]
         if len(short):
             b = int(short[0])
             raise ValueError(f"KV cache overflow: row {int(rows[b])} holds {int(lengths[b])} tokens "
-                             f"in {int(cache.npages[rows[b]])} pages, +{int(n[b])} new needs more "
+                             f"in {int(held[b])} pages, +{int(n[b])} new needs more "
                              f"(max_len {cache.max_len}): grow the row first")
         weight = self.model.embed_tokens.weight
         pool = cache.layers[0][0]
@@ -516,12 +518,14 @@ class Qwen(nn.Module):
             # the keys gathered by the last forward (that went through the kept gather) are kept: with as many
             # rows and pages, a row in the same place holding what it left there reads them, plus its new
             # ones (a decode step, usually); the other rows (stale) are gathered afresh, all of them when the
-            # shape changed. cache.last: those pages, and each place's (row, tokens)
-            now = torch.stack([rows, lengths], 1)  # (B, 2)
+            # shape changed. cache.last: those pages, and each place's (row, version, tokens): a row released
+            # since holds other tokens under a new version, whatever their number
+            versions = torch.tensor([cache.versions[row] for row in row_indices])  # (B,)
+            now = torch.stack([rows, versions, lengths], 1)  # (B, 3)
             last_P, last = cache.last or (0, now[:0])
             if (last_P, len(last)) == (P, B):
                 att["stale"] = (last != now).any(1).nonzero()[:, 0].to(dev)
-            cache.last = (P, torch.stack([rows, lengths + n], 1))
+            cache.last = (P, torch.stack([rows, versions, lengths + n], 1))
             # (N,): each new token's place in the kept gather
             att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)
         # a prefill of rows of different lengths (to each row's last token): the layers run on the real tokens
@@ -648,15 +652,19 @@ class KVCache:
         # eager at batch 32 with 304 MiB of KV on the CPU, 2 s a step with 2.4 GiB)
         self.layers = [[torch.zeros(pool, device=device, dtype=dtype) for _ in "kv"]
                        for _ in range(L)]
-        # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, a (places, 2)
-        # tensor of each place's row and tokens), set by model.forward_cached
+        # SDPA: each layer's gathered keys and values (`gather`), and what they hold: (pages, a (places, 3)
+        # tensor of each place's row, version and tokens), set by model.forward_cached
         self.kept = [None] * L
         self.buffers = [torch.empty(0, device=device, dtype=dtype) for _ in range(L)]
         self.last = None
+        # how many times each row was released: its tokens in the kept gather are its own while it keeps its
+        # version (a list, bumped a row at a time: marking the row in `last` cost ~70 us a release)
+        self.versions = [0] * num_rows
         self.lengths = torch.zeros(num_rows, dtype=torch.long)  # tokens held by each row (CPU)
         # unused entries: page 0, never written
         self.table = torch.zeros((num_rows, width), dtype=torch.long)
-        self.npages = torch.zeros(num_rows, dtype=torch.long)
+        # pages held by each row, a list: read and written a row at a time (~1 us, a tensor's element ~10 us)
+        self.npages = [0] * num_rows
         self.refs = [0] * self.num_pages  # rows holding each page
         self.free = list(range(self.num_pages))[::-1]  # pop() hands out the lowest page first
 
@@ -665,7 +673,7 @@ class KVCache:
 
     def grow(self, row, tokens):
         """give row enough pages for `tokens` tokens; an error when the pool has too few free pages"""
-        need = max(0, self.pages(tokens) - int(self.npages[row]))  # the free pages it must take
+        need = max(0, self.pages(tokens) - self.npages[row])  # the free pages it must take
         if tokens > self.max_len or need > len(self.free):
             raise RuntimeError(f"KV pool: row {row} needs {need} more pages for {tokens} tokens (max_len "
                                f"{self.max_len}), {len(self.free)} of {self.num_pages} are free")
@@ -724,9 +732,8 @@ class KVCache:
 
     def release(self, row):
         """row gives its pages back (those no other row holds become free) and holds no tokens"""
-        if self.last:  # the kept gather's copy of the row is stale from now on
-            places = self.last[1]
-            places[places[:, 0] == row] = -1
+        # the kept gather's copy of the row is stale from now on (model.forward_cached compares versions)
+        self.versions[row] += 1
         for page in self.table[row, :self.npages[row]].tolist():
             self.refs[page] -= 1
             if self.refs[page] == 0:

@@ -229,7 +229,7 @@ class Pager:
         share = self.share(rows)
         # what each row in the KV was promised and does not hold yet
         promised = sum(max(0, self.cache.pages(self.reserved(row, share))
-                           - int(self.cache.npages[row.slot]))
+                           - self.cache.npages[row.slot])
                        for row in rows.values() if self.cache.holds(row.slot))
         return self.cache.free_pages() - promised
 
@@ -265,10 +265,10 @@ class Pager:
         """Pages for every Feed of a forward; when the pool is short, preempt rows until it is not.
         Returns the items that still go ahead (a preempted row's item drops out)."""
         cache = self.cache
-        # each row's tokens and pages, read once as lists (a tensor read per row cost ~2% of a decode step at
-        # batch 64); preempting a row changes no other row's, and a preempted row's item drops out
+        # each row's tokens, read once as a list (a tensor read per row cost ~2% of a decode step at batch 64),
+        # and pages (a list); preempting a row changes no other row's, and a preempted row's item drops out
         lengths = cache.lengths.tolist()
-        held = cache.npages.tolist()
+        held = cache.npages
 
         def need(item):
             # new pages: the row's growth + a copy of a partly filled last page per sharing sample

@@ -307,7 +307,7 @@ def check_batched_prefill(ours, page_size):
         out = forward_grown(ours, ids[rows], cache, rows, last_only=True, n_new=[len(new[r]) for r in rows])
         assert out.shape == (4, 1, V) and cache.lengths.tolist() == [len(s) + len(t) for s, t in zip(seqs, new)]
         # the padding took no pages: each row holds exactly the pages of its real tokens
-        assert cache.npages.tolist() == [cache.pages(len(s) + len(t)) for s, t in zip(seqs, new)]
+        assert cache.npages == [cache.pages(len(s) + len(t)) for s, t in zip(seqs, new)]
         for b, r in enumerate(rows.tolist()):
             seqs[r] = torch.cat([seqs[r], new[r]])
             assert (out[b, 0] - ours(seqs[r][None])[0, -1]).abs().max() < 1e-4, f"row {r}"
