@@ -364,12 +364,13 @@ def check_decoding(ours, page_size):
                 out = forward_grown(ours, ext, cache, torch.tensor([2]))
                 seqs[2] = torch.cat([seqs[2], ext[0]])
                 logits[2] = torch.cat([logits[2], out[0]])
-        # a row released and refilled in place (a trajectory ends, the next prompt takes its row): the step
-        # after it gathers that row alone, the others read the keys kept from the step before
+        # a row released and refilled in place (a trajectory ends, the next prompt takes its row) with as many
+        # tokens as it held: the step after it gathers that row alone (its version changed, not its length),
+        # the others read the keys kept from the step before
         for refill in (False, True):
             if refill:
                 cache.release(3)
-                seqs[3] = torch.randint(0, V, (2,), generator=g)
+                seqs[3] = torch.randint(0, V, (len(seqs[3]),), generator=g)
                 logits[3] = forward_grown(ours, seqs[3][None], cache, torch.tensor([3]))[0]
             new = torch.randint(0, V, (5, 1), generator=g)
             out = forward_grown(ours, new, cache, slice(0, 5))
