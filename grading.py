@@ -388,9 +388,10 @@ def tokenize_prompts(problems, task, tokenizer):
     encodes a batch on all cores, and only one batch's texts and lists of ints are held at once (the tiny run's 20K
     prompts: 5.9-7.0 s where one at a time took 10.0-11.6 s, the same ids, on 2 cores at load ~1)."""
     import numpy
+    per_call = 1024  # prompts a tokenizer call
     prompt_ids = []
-    for start in range(0, len(problems), 1024):
-        texts = [row_task(row, task).prompt(row) for row in problems[start:start + 1024]]
+    for start in range(0, len(problems), per_call):
+        texts = [row_task(row, task).prompt(row) for row in problems[start:start + per_call]]
         prompt_ids += [numpy.asarray(ids, numpy.int32)
                        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return prompt_ids

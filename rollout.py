@@ -265,15 +265,14 @@ class Pager:
         """Pages for every Feed of a forward; when the pool is short, preempt rows until it is not.
         Returns the items that still go ahead (a preempted row's item drops out)."""
         cache = self.cache
-        # each row's tokens, read once as a list (a tensor read per row cost ~2% of a decode step at batch 64),
-        # and pages (a list); preempting a row changes no other row's, and a preempted row's item drops out
+        # each row's tokens, read once as a list (a tensor read per row cost ~2% of a decode step at batch 64);
+        # preempting a row changes no other row's, and a preempted row's item drops out
         lengths = cache.lengths.tolist()
-        held = cache.npages
 
         def need(item):
             # new pages: the row's growth + a copy of a partly filled last page per sharing sample
             end = lengths[item.row.slot] + len(item.ids)
-            growth = max(0, cache.pages(end) - held[item.row.slot])
+            growth = max(0, cache.pages(end) - cache.npages[item.row.slot])
             return growth + len(item.copies) * (end % cache.page_size > 0)
         while sum(need(item) for item in todo) > cache.free_pages():
             victim = self.victim(rows, [item.row for item in todo])
