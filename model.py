@@ -273,15 +273,15 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # a packed prefill (forward_cached): x holds every row's real tokens, (1, N); attention takes them back
-        # into their rows, right-padded, (B', T') where the mask `pack` is True, and gives the real ones back
-        pack = att.get("pack")
-        if pack is not None:
-            q, k, v = (z.new_zeros(*pack.shape, *z.shape[2:])
-                       .masked_scatter(pack[..., None, None], z) for z in (q, k, v))
+        # packed tokens (forward_cached's prefills, forward's shared prefixes): x holds the N tokens that run,
+        # (1, N); attention reads them in their rows, right-padded, (B', T'): `gather` is each place's token among
+        # the N, `pick` the places whose outputs are the N's, in order
+        gather = att.get("gather")
+        if gather is not None:
+            q, k, v = (z[0][gather] for z in (q, k, v))
         y = attend(q, k, v, att, self.layer_idx)  # (B, T, H, hd), or (B', T', H, hd) packed
-        if pack is not None:
-            y = y[pack][None]
+        if gather is not None:
+            y = y[att["pick"]][None]
         return self.o_proj(y.reshape(B, T, -1))
 
 
@@ -360,8 +360,13 @@ class Qwen(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024,
-                with_entropy=False, where=None):
-        """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs)"""
+                with_entropy=False, where=None, shared=None):
+        """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs).
+
+        shared, for right-padded rows on SDPA's path: (rows, counts), (B,) ints each: row b begins with the first
+        counts[b] tokens of row rows[b] (whose own count is 0), which only that row runs through the layers; row
+        b's attention reads them there. The trajectories of a prompt in an RL micro-batch share it this way, so
+        the prompt's tokens go through the layers once (train_rl.micro_batch). Same values as without it."""
         B, T = input_ids.shape
         for name, z in (("attention_mask", attention_mask), ("targets", targets), ("where", where)):
             if z is not None and z.shape != input_ids.shape:
@@ -370,13 +375,26 @@ class Qwen(nn.Module):
         weight = self.model.embed_tokens.weight
         t = torch.arange(T, device=weight.device)
         flash = use_flash(weight.device, weight.dtype)
+        right_padded = (attention_mask is None
+                        or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all())
+        if shared is not None and (flash or not right_padded):
+            raise ValueError("shared needs right-padded rows (a 0/1 attention_mask), on SDPA's path")
         # no mask, or one sequence a row, right-padded (as collate pads them): plain causal attention is exact
         # for every real token (its row's padding comes after it), and SDPA skips the blocks above the diagonal
         # (~6% of an RL update on the CPU)
-        if not flash and (attention_mask is None
-                          or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all()):
+        if not flash and right_padded:
             positions = t.expand(B, T)
             att = dict(flash=False, mask=None)
+            if shared is not None:
+                rows, counts = shared
+                # the tokens each row runs (its own, not shared), packed into one row (1, N) for the layers
+                runs = attention_mask.bool() & (t >= counts[:, None])  # (B, T)
+                # each place's token among the N: for a shared place, the same place in the row that runs it
+                place = torch.arange(B * T, device=t.device).view(B, T)
+                place = torch.where(t < counts[:, None], place[rows], place)
+                att.update(gather=(runs.flatten().cumsum(0) - 1)[place], pick=runs)
+                input_ids = input_ids[runs][None]
+                positions = positions[runs][None]
         else:
             m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
@@ -396,7 +414,9 @@ class Qwen(nn.Module):
                 causal = t[:, None] >= t[None, :]  # (T, T)
                 # (B, T, T)
                 att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)
-        x = self.run(input_ids, positions, att)  # (B, T, D)
+        x = self.run(input_ids, positions, att)  # (B, T, D), or (1, N, D) packed
+        if "gather" in att:  # every place of the rows, shared ones too
+            x = x[0][att["gather"]]
         if targets is None:
             return F.linear(x, self.head_weight())  # (B, T, V)
         h = x.flatten(0, 1)  # (B * T, D)
@@ -532,8 +552,9 @@ class Qwen(nn.Module):
         # alone, packed into one row (1, N) of positions pos (Attention unpacks them around attention); with no
         # padding there is nothing to gain (the unpacking costs ~9% of a prefill of 32 rows of 40 tokens)
         if last_only and not real.all():
-            att["pack"] = real.to(dev)
-            input_ids = input_ids[att["pack"]][None]
+            # the padding's places read the token before them, which no real token sees there
+            att.update(gather=(real.flatten().cumsum(0) - 1).view(B, T).to(dev), pick=real.to(dev))
+            input_ids = input_ids[att["pick"]][None]
             pos = pos[real][None]
         if static:
             x = self.static_step(input_ids, pos.to(dev), att)[:B]
@@ -573,13 +594,16 @@ class Qwen(nn.Module):
         return self.compiled[mode](input_ids, pos, att)
 
 
-def collate(seqs, device, packed):
+def collate(seqs, device, packed, prompts=()):
     """Turn sequences (dicts of equal-length per-token lists or arrays) into a micro-batch of tensors
     (ints as int64, floats as float32) plus "seg", the attention mask. packed=True: one row (1, N),
     sequences told apart by segment ids 1, 2, ... (flash-attn's varlen kernel does no work across them).
     packed=False: a right-padded (n, Lmax) batch with a 0/1 mask — cheaper for SDPA, whose attention over
     one long packed row would cost O(N²). An empty bin becomes a single zero token (it still joins the
-    FSDP collectives)."""
+    FSDP collectives).
+    prompts, with packed=False: each sequence's (prompt, count): sequences of the same prompt begin with the
+    same `count` tokens, which the first of them runs through the layers for all (out["shared"], the `shared`
+    of Qwen.forward)."""
     if not seqs:
         # RL's keys
         seqs = [{"ids": [0], "tgt": [0], "mask": [0], "adv": [0.0], "engine_logprobs": [0.0],
@@ -593,6 +617,11 @@ def collate(seqs, device, packed):
         width = max(lengths)
         out = {k: np.stack([np.pad(x, (0, width - len(x))) for x in v]) for k, v in cols.items()}
         out["seg"] = np.arange(width)[None] < np.array(lengths)[:, None]  # True on real tokens (int64 below)
+        if prompts:
+            first = {}
+            rows = [first.setdefault(prompt, row) for row, (prompt, _count) in enumerate(prompts)]
+            counts = [0 if src == row else count for row, (src, (_, count)) in enumerate(zip(rows, prompts))]
+            out["shared"] = np.array([rows, counts])
     return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
             for k, v in out.items()}
 

@@ -279,9 +279,11 @@ def plan(kept, part):
 
 
 def micro_batch(kept, indices, advantages, tokens):
-    """One packed micro-batch: the kept trajectories at `indices` (their tokens from `exchange`), each token
-    tagged with its trajectory's advantage and index into `kept` (traj_index)."""
-    seqs = []
+    """One micro-batch: the kept trajectories at `indices` (their tokens from `exchange`), each token tagged with
+    its trajectory's advantage and index into `kept` (traj_index). Right-padded rows (SDPA): the trajectories of
+    a prompt share its tokens but the last (collate's prompts), so the layers run them once for all of them here
+    (in the tiny run a prompt is half of a trajectory's tokens); the last one predicts each response's first."""
+    seqs, prompts = [], []
     for index in indices:
         arrays = tokens[kept[index].key]
         seq = np.concatenate([arrays.prompt_ids, arrays.response_ids])
@@ -293,14 +295,15 @@ def micro_batch(kept, indices, advantages, tokens):
                      "mask": np.concatenate([pad, arrays.mask]),
                      "engine_logprobs": np.concatenate([pad, arrays.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
-    return collate(seqs, device, packed)
+        prompts.append((kept[index].key[:2], len(pad)))  # (step, prompt index)
+    return collate(seqs, device, packed, prompts)
 
 
 def micro_logprobs(net, micro, **kwargs):
     """The log-probs (B, T) of a micro-batch's tokens under net (the policy, the reference), computed where the
     loss reads them only (its mask: the output layer runs there alone), 0 elsewhere; kwargs: token_logprobs'."""
     return token_logprobs(net, micro["ids"], micro["tgt"], micro["seg"], where=micro["mask"].bool(),
-                          **kwargs)
+                          shared=micro.get("shared"), **kwargs)
 
 
 def dump_step(step, mine, groups):

@@ -112,6 +112,46 @@ def test_packed_segments_equal_separate_runs(pair):
         assert (packed[1, :9] - ours(seqs[3][None])[0]).abs().max() < 1e-4
 
 
+def test_shared_prompts_run_once_and_give_transformers_values(pair):
+    """collate's prompts: rows of one prompt share its first tokens, which only the first such row runs through
+    the layers (what an RL micro-batch does with a prompt's trajectories). Every real place's log-probs are
+    transformers' on each row run alone; the layers see the real tokens less the shared ones; gradients are
+    those of the rows run whole."""
+    hf, ours, _ = pair
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (6, 3, 8)]
+    # (prompt, response length): a prompt's rows in any order, one row alone, a response of one token
+    rows = [(0, 4), (1, 7), (0, 1), (2, 5), (1, 2), (0, 9)]
+    seqs = [{"ids": torch.cat([prompts[k], torch.randint(0, V, (n,), generator=g)]).tolist()} for k, n in rows]
+    shared = [(k, len(prompts[k]) - 1) for k, _ in rows]
+    m = collate(seqs, "cpu", packed=False, prompts=shared)
+    assert m["shared"].tolist() == [[0, 1, 0, 3, 1, 0], [0, 0, 5, 0, 2, 5]]
+    seen = []
+    hook = ours.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    got = F.log_softmax(ours(m["ids"], m["seg"], shared=m["shared"]), -1)
+    hook.remove()
+    assert seen == [(1, int(m["seg"].sum()) - 12)]
+    with torch.no_grad():
+        for row, seq in enumerate(seqs):
+            ref = F.log_softmax(hf(input_ids=torch.tensor([seq["ids"]])).logits[0], -1)
+            assert (got[row, :len(seq["ids"])] - ref).abs().max() < 1e-4, row
+    # gradients of the log-probs at every row's own places (the shared ones read from elsewhere)
+    own = m["seg"].bool() & (torch.arange(m["ids"].shape[1]) >= m["shared"][1][:, None])
+    targets = torch.roll(m["ids"], -1, dims=1)
+    grads = []
+    for kwargs in ({}, {"shared": m["shared"]}):
+        ours.zero_grad()
+        lp = token_logprobs(ours, m["ids"], targets, m["seg"], where=own, **kwargs)
+        lp.sum().backward()
+        grads.append({n: p.grad.clone() for n, p in ours.named_parameters()})
+    for n in grads[0]:
+        assert torch.allclose(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4), n
+    ours.zero_grad()
+    ids, mask = padded_batch()  # a left-padded row: no shared prefix to speak of
+    with pytest.raises(ValueError, match="right-padded"):
+        ours(ids, mask, shared=torch.zeros(2, 3, dtype=torch.long))
+
+
 def test_token_logprobs_values_entropy_and_grad(pair):
     _, ours, _ = pair
     ids, mask = padded_batch()
