@@ -956,22 +956,27 @@ def scale_bench(world=2, per_rank=1024, mean_tokens=4600):
 
 # -----------------------------------------------------------------------------
 
-def tiny_rl_batch(n=64, seed=0, vocab=4096):
+def tiny_rl_batch(n=64, seed=0, vocab=4096, group=8):
     """n kept trajectories shaped like one step of configs/tiny_rl.py (lengths, not content): a 55-90 token
-    prompt, a lognormal response of ~76 tokens (at most 192) of which ~1/3 is sampled and the rest is one
-    tool output in between: ~9.4K tokens, the loss on ~17% of them, as the issue-32 profile of the tiny run."""
+    prompt shared by `group` trajectories (RoC keeps 8 a prompt), a lognormal response of ~76 tokens (at most
+    192) of which ~1/3 is sampled and the rest is one tool output in between: ~9.4K tokens, the loss on ~17% of
+    them, as the issue-32 profile of the tiny run. Also each trajectory's (prompt, shared count), collate's
+    prompts."""
     import random
     rng = random.Random(seed)
-    seqs = []
-    for _ in range(n):
-        prompt = rng.randint(55, 90)
+    seqs, prompts = [], []
+    for k in range(n):
+        if k % group == 0:
+            prompt_ids = [rng.randrange(vocab) for _ in range(rng.randint(55, 90))]
+        prompt = len(prompt_ids)
         response = min(192, max(8, int(rng.lognormvariate(math.log(66), 0.55))))
         first = max(1, response // 6)  # a reasoning turn with a tool call ...
         last = max(1, response // 6)  # ... and the answer after the tool output
-        ids = [rng.randrange(vocab) for _ in range(prompt + response)]
+        ids = prompt_ids + [rng.randrange(vocab) for _ in range(response)]
         seqs.append({"ids": ids[:-1], "tgt": ids[1:], "adv": [rng.gauss(0, 1)] * (len(ids) - 1),
                      "mask": [0] * (prompt - 1) + [1] * first + [0] * (response - first - last) + [1] * last})
-    return seqs
+        prompts.append((k // group, prompt))
+    return seqs, prompts
 
 
 def update_step(reps, max_tokens=4096, kl_coef=0.05):
@@ -986,7 +991,9 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     the rounds). Issue 42's arm, "now + KL" (kl_coef > 0): a
     frozen reference's no_grad forward per micro-batch, then k3 in the loss; the reference's forward is timed
     on its own inside it. "now @N" and "compiled @N": now's and compiled's update on configs/tiny_rl.py's own
-    micro-batches of N tokens (1,024 since issue 45: closer lengths share a micro-batch, less padding)."""
+    micro-batches of N tokens (1,024 since issue 45: closer lengths share a micro-batch, less padding).
+    "shared @N": now @N with a prompt's tokens run once for its trajectories in a micro-batch (collate's
+    prompts, Qwen.forward's shared), what train_rl.py does on SDPA's path since."""
     import copy
     from common import pack, pack_sorted
     from grpo_roc import kl_penalty
@@ -1007,19 +1014,21 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
     with torch.no_grad():
         for param in reference.parameters():
             param.add_(torch.randn_like(param), alpha=0.01)
-    seqs = tiny_rl_batch()
+    seqs, prompts = tiny_rl_batch()
     lengths = [len(x["ids"]) for x in seqs]
     n_tokens = torch.tensor(float(sum(sum(x["mask"]) for x in seqs)))
     # the tiny RL config's own micro-batches (configs/tiny_rl.py: 1,024 tokens since issue 45, 4,096 before)
     tiny = train_rl_config(["configs/tiny_rl.py"])["max_tokens_per_micro"]
-    # name: (micro-batches, the output layer at the loss positions only, the model, RMSNorm written out)
-    plans = {"before": (pack(lengths, max_tokens), False, model, False),
-             "unfused": (pack_sorted(lengths, max_tokens), True, model, True),
-             "now": (pack_sorted(lengths, max_tokens), True, model, False),
-             "compiled": (pack_sorted(lengths, max_tokens), True, compiled, False),
-             "now + KL": (pack_sorted(lengths, max_tokens), True, model, False),
-             f"now @{tiny}": (pack_sorted(lengths, tiny), True, model, False),
-             f"compiled @{tiny}": (pack_sorted(lengths, tiny), True, compiled, False)}
+    # name: (micro-batches, the output layer at the loss positions only, the model, RMSNorm written out,
+    # a prompt run once for its trajectories)
+    plans = {"before": (pack(lengths, max_tokens), False, model, False, False),
+             "unfused": (pack_sorted(lengths, max_tokens), True, model, True, False),
+             "now": (pack_sorted(lengths, max_tokens), True, model, False, False),
+             "compiled": (pack_sorted(lengths, max_tokens), True, compiled, False, False),
+             "now + KL": (pack_sorted(lengths, max_tokens), True, model, False, False),
+             f"now @{tiny}": (pack_sorted(lengths, tiny), True, model, False, False),
+             f"compiled @{tiny}": (pack_sorted(lengths, tiny), True, compiled, False, False),
+             f"shared @{tiny}": (pack_sorted(lengths, tiny), True, model, False, True)}
     out = {}
     ref_times = []
 
@@ -1029,23 +1038,25 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
         return self.weight * h.to(x.dtype)
 
     def update(name):
-        bins, at_loss, net, unfused = plans[name]
+        bins, at_loss, net, unfused, shared = plans[name]
         opt = torch.optim.SGD(net.parameters(), lr=0.0)  # lr 0: the weights stay as they are between rounds
-        micros = [collate([seqs[i] for i in idx], "cpu", packed=False) for idx in bins]
+        micros = [collate([seqs[i] for i in idx], "cpu", packed=False,
+                          prompts=[prompts[i] for i in idx] if shared else ()) for idx in bins]
         if name == "now + KL":
             # as train_rl.py: the reference's log-probs of every micro-batch first, under no_grad
             t0 = time.perf_counter()
             with torch.no_grad():
                 for m in micros:
                     m["ref_logprobs"] = token_logprobs(reference, m["ids"], m["tgt"], m["seg"],
-                                                       where=m["mask"].bool())
+                                                       where=m["mask"].bool(), shared=m.get("shared"))
             ref_times.append(time.perf_counter() - t0)
         loss_sum, entropy, kl = 0.0, 0.0, 0.0
         patch = unittest.mock.patch.object(modeling.RMSNorm, "forward", written_out)
         with patch if unfused else contextlib.nullcontext():
             for m in micros:
                 where = m["mask"].bool() if at_loss else None
-                lp, ent = token_logprobs(net, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where)
+                lp, ent = token_logprobs(net, m["ids"], m["tgt"], m["seg"], with_entropy=True, where=where,
+                                         shared=m.get("shared"))
                 loss = policy_loss(lp, lp.detach(), m["adv"], m["mask"], num_tokens=n_tokens)
                 if "ref_logprobs" in m:
                     kl_per_token = torch.where(m["mask"].bool(), kl_penalty(lp, m["ref_logprobs"]), 0.0)
@@ -1082,8 +1093,9 @@ def update_step(reps, max_tokens=4096, kl_coef=0.05):
           f"(goal >= x1.3 of today's); compile {compile_s:.1f} s (first update, not in the rounds)")
     now = speed["now"]
     print(f"the tiny config's micro-batches ({tiny} tokens; {max_tokens} above): "
-          f"now x{now / speed[f'now @{tiny}']:.2f}, compiled x{now / speed[f'compiled @{tiny}']:.2f} "
-          f"of now at {max_tokens}")
+          f"now x{now / speed[f'now @{tiny}']:.2f}, compiled x{now / speed[f'compiled @{tiny}']:.2f}, "
+          f"shared x{now / speed[f'shared @{tiny}']:.2f} of now at {max_tokens}; a prompt run once for its "
+          f"trajectories (shared) x{speed[f'now @{tiny}'] / speed[f'shared @{tiny}']:.2f} of now @{tiny}")
     ref = statistics.median(ref_times)
     with_kl = speed["now + KL"]
     print(f"the KL term (kl_coef {kl_coef}): the update x{with_kl / now:.2f} ({with_kl - now:+.3f} s), of which the "

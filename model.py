@@ -618,9 +618,10 @@ def collate(seqs, device, packed, prompts=()):
         out = {k: np.stack([np.pad(x, (0, width - len(x))) for x in v]) for k, v in cols.items()}
         out["seg"] = np.arange(width)[None] < np.array(lengths)[:, None]  # True on real tokens (int64 below)
         if prompts:
-            first = {}
-            rows = [first.setdefault(prompt, row) for row, (prompt, _count) in enumerate(prompts)]
-            counts = [0 if src == row else count for row, (src, (_, count)) in enumerate(zip(rows, prompts))]
+            keys = [prompt for prompt, _count in prompts]
+            # each row's first row of its prompt, and the tokens it takes from there (none when it is that row)
+            rows = [keys.index(key) for key in keys]
+            counts = [count if rows[row] != row else 0 for row, (_, count) in enumerate(prompts)]
             out["shared"] = np.array([rows, counts])
     return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
             for k, v in out.items()}

@@ -281,8 +281,8 @@ def plan(kept, part):
 def micro_batch(kept, indices, advantages, tokens):
     """One micro-batch: the kept trajectories at `indices` (their tokens from `exchange`), each token tagged with
     its trajectory's advantage and index into `kept` (traj_index). Right-padded rows (SDPA): the trajectories of
-    a prompt share its tokens but the last (collate's prompts), so the layers run them once for all of them here
-    (in the tiny run a prompt is half of a trajectory's tokens); the last one predicts each response's first."""
+    a prompt share its tokens (collate's prompts), so the layers run them once for all of them here (in the tiny
+    run a prompt is half of a trajectory's tokens)."""
     seqs, prompts = [], []
     for index in indices:
         arrays = tokens[kept[index].key]
@@ -295,7 +295,7 @@ def micro_batch(kept, indices, advantages, tokens):
                      "mask": np.concatenate([pad, arrays.mask]),
                      "engine_logprobs": np.concatenate([pad, arrays.logprobs]),
                      "traj_index": np.full(len(seq) - 1, index)})
-        prompts.append((kept[index].key[:2], len(pad)))  # (step, prompt index)
+        prompts.append((kept[index].key[:2], len(arrays.prompt_ids)))  # (step, prompt index)
     return collate(seqs, device, packed, prompts)
 
 

@@ -123,14 +123,14 @@ def test_shared_prompts_run_once_and_give_transformers_values(pair):
     # (prompt, response length): a prompt's rows in any order, one row alone, a response of one token
     rows = [(0, 4), (1, 7), (0, 1), (2, 5), (1, 2), (0, 9)]
     seqs = [{"ids": torch.cat([prompts[k], torch.randint(0, V, (n,), generator=g)]).tolist()} for k, n in rows]
-    shared = [(k, len(prompts[k]) - 1) for k, _ in rows]
+    shared = [(k, len(prompts[k])) for k, _ in rows]
     m = collate(seqs, "cpu", packed=False, prompts=shared)
-    assert m["shared"].tolist() == [[0, 1, 0, 3, 1, 0], [0, 0, 5, 0, 2, 5]]
+    assert m["shared"].tolist() == [[0, 1, 0, 3, 1, 0], [0, 0, 6, 0, 3, 6]]
     seen = []
     hook = ours.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
     got = F.log_softmax(ours(m["ids"], m["seg"], shared=m["shared"]), -1)
     hook.remove()
-    assert seen == [(1, int(m["seg"].sum()) - 12)]
+    assert seen == [(1, int(m["seg"].sum()) - 15)]
     with torch.no_grad():
         for row, seq in enumerate(seqs):
             ref = F.log_softmax(hf(input_ids=torch.tensor([seq["ids"]])).logits[0], -1)
@@ -212,43 +212,52 @@ def test_update_at_loss_positions_from_sorted_micro_batches_matches_the_full_pat
     """train_rl.py's update, today's way against the old one on one mini-batch of trajectories of mixed
     lengths (prompt, sampled tokens, a tool output, more sampled tokens), per-trajectory advantages and
     loss weights, two ranks' plans: the old bins (pack: longest into the emptiest) with the output layer
-    at every position vs length-sorted bins (pack_sorted) with it only at the loss mask. The summed loss,
-    the entropy metric and the gradients agree to float tolerance."""
+    at every position vs length-sorted bins (pack_sorted) with it only at the loss mask, and those with a
+    prompt run once for its trajectories in a micro-batch (collate's prompts). The summed loss, the entropy
+    metric and the gradients agree to float tolerance."""
     _, ours, _ = pair
     g = torch.Generator().manual_seed(5)
-    seqs = []
+    # 5 prompts of 4-11 tokens, taken in turn
+    prompt_ids = [torch.randint(0, V, (int(torch.randint(4, 12, (), generator=g)),), generator=g).tolist()
+                  for _ in range(5)]
+    seqs, prompts = [], []
     for k in range(14):
-        prompt, first, tool, second = (int(torch.randint(lo, hi, (), generator=g))
-                                       for lo, hi in ((4, 12), (1, 10), (0, 6), (0, 10)))
+        prompt = len(prompt_ids[k % 5])
+        first, tool, second = (int(torch.randint(lo, hi, (), generator=g)) for lo, hi in ((1, 10), (0, 6), (0, 10)))
         n = prompt + first + tool + second
-        ids = torch.randint(0, V, (n,), generator=g).tolist()
+        ids = prompt_ids[k % 5] + torch.randint(0, V, (n - prompt,), generator=g).tolist()
+        prompts.append((k % 5, prompt))
         mask = [0] * (prompt - 1) + [1] * first + [0] * tool + [1] * second
         seqs.append({"ids": ids[:-1], "tgt": ids[1:], "mask": mask,
                      "adv": [float(torch.randn((), generator=g)) * (1 + k % 3)] * (n - 1)})
     n_tokens = sum(sum(s["mask"]) for s in seqs)
     lengths = [len(s["ids"]) for s in seqs]
 
-    def update(bins, at_loss_positions):
+    def update(bins, at_loss_positions, shared=False):
         ours.zero_grad()
         total, entropy = 0.0, 0.0
         for rank in range(2):  # the two ranks' micro-batches: their gradients add up, as FSDP's reduce does
             for idx in bins[rank::2]:
-                m = collate([seqs[i] for i in idx], "cpu", packed=False)
+                m = collate([seqs[i] for i in idx], "cpu", packed=False,
+                            prompts=[prompts[i] for i in idx] if shared else ())
                 where = m["mask"].bool() if at_loss_positions else None
                 lp, ent = token_logprobs(ours, m["ids"], m["tgt"], m["seg"], chunk_size=7, with_entropy=True,
-                                         where=where)
+                                         where=where, shared=m.get("shared"))
                 loss = policy_loss(lp, lp.detach() - 0.1 * m["mask"], m["adv"], m["mask"], num_tokens=n_tokens)
                 loss.backward()
                 total, entropy = total + float(loss.detach()), entropy + float((ent * m["mask"]).sum() / n_tokens)
         norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e9)
         return total, entropy, float(norm), {n: p.grad.clone() for n, p in ours.named_parameters()}
-    old_bins, new_bins = pack(lengths, 40, 2), pack_sorted(lengths, 40, 2)
+    old_bins, new_bins = pack(lengths, 80, 2), pack_sorted(lengths, 80, 2)
     slots = [sum(len(b) * max(lengths[i] for i in b) for b in bins if b) for bins in (old_bins, new_bins)]
     assert slots[1] < slots[0]  # less padding: what the sorting is for
-    old, new = update(old_bins, False), update(new_bins, True)
-    assert abs(new[0] - old[0]) < 1e-5 and abs(new[1] - old[1]) < 1e-4 and abs(new[2] - old[2]) < 1e-4 * old[2]
-    for n in old[3]:
-        assert torch.allclose(new[3][n], old[3][n], atol=1e-5, rtol=1e-4), n
+    old = update(old_bins, False)
+    for new in (update(new_bins, True), update(new_bins, True, shared=True)):
+        assert abs(new[0] - old[0]) < 1e-5 and abs(new[1] - old[1]) < 1e-4 and abs(new[2] - old[2]) < 1e-4 * old[2]
+        for n in old[3]:
+            assert torch.allclose(new[3][n], old[3][n], atol=1e-5, rtol=1e-4), n
+    # some micro-batch held two trajectories of a prompt: the shared arm shared something
+    assert any(len({prompts[i][0] for i in b}) < len(b) for b in new_bins if b)
     ours.zero_grad()
 
 
