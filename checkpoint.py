@@ -40,7 +40,7 @@ def checkpoint_dir(run_dir, step):
 
 def has_weights(path):
     """Does path hold HF weights (what eval.py and transformers load)?"""
-    return bool(glob.glob(os.path.join(path, "model*.safetensors")))
+    return bool(glob.glob(f"{path}/model*.safetensors"))
 
 
 def checkpoints(run_dir):
@@ -75,7 +75,7 @@ def load_trainable(path, device, dtype, activation_checkpointing=False, compiled
     if dist.is_initialized():
         shard_model(model, param_dtype=dtype if dtype != torch.float32 else None)
     # a checkpoint of ours (its sharded state), else HF weights
-    state = os.path.join(path, "state")
+    state = f"{path}/state"
     if os.path.isdir(state):
         model.to_empty(device=device)
         sd = {"model": get_model_state_dict(model)}
@@ -98,17 +98,17 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
     barrier()
     dcp.save({"model": get_model_state_dict(model),
               "optimizer": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=os.path.join(tmp, "state"))
+             checkpoint_id=f"{tmp}/state")
     if hf_dtype is not None:
         save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
     if rank0:
         if hf_dtype is None:
-            with open(os.path.join(tmp, "config.json"), "w") as f:
+            with open(f"{tmp}/config.json", "w") as f:
                 json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
         tokenizer.save_pretrained(tmp)
         state = {**state, "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
                  "rng_torch": torch.get_rng_state()}
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        torch.save(state, f"{tmp}/trainer_state.pt")
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
@@ -123,9 +123,9 @@ def load_trainer_state(path, model, optimizer):
     """Restore the optimizer shards and RNG of a checkpoint written by save_checkpoint; returns its state
     dict (step, cursor, ...). The weights are load_trainable's."""
     osd = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(osd, checkpoint_id=os.path.join(path, "state"))
+    dcp.load(osd, checkpoint_id=f"{path}/state")
     set_optimizer_state_dict(model, optimizer, osd["optimizer"])
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
     random.setstate(state["rng_python"])
     np.random.set_state(state["rng_numpy"])
     torch.set_rng_state(state["rng_torch"])
