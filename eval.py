@@ -112,7 +112,7 @@ def metrics(groups):
     per_problem = []
     for index, group in enumerate(groups):
         # how many of the problem's k samples are right
-        correct = sum(bool(summary.correct) for summary in group)
+        correct = sum(summary.correct for summary in group)
         # the index of the vote's winner, None: no sample answered
         winner = majority_vote([summary.vote for summary in group])
         # the problem's row: its counts, its vote, its lengths, its tool calls and endings
@@ -307,9 +307,9 @@ if __name__ == "__main__":
         raise SystemExit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
     # a run directory: its newest weights
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
+    if not os.path.isfile(f"{model_path}/config.json"):
         model_path = latest_checkpoint(model_path, weights=True) or model_path
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
+    if not os.path.isfile(f"{model_path}/config.json"):
         raise SystemExit(f"eval error: {model_path} is no model directory (config.json) and no run directory (step_*/)")
     try:
         task_module = grading.load_task(task)
