@@ -73,8 +73,8 @@ def plain_int(text):
     match = re.fullmatch(r"([+-]?)([0-9]+)", text.strip())
     if match is None:
         return None
-    digits = match.group(2).lstrip("0") or "0"
-    negative = match.group(1) == "-" and digits != "0"
+    digits = match[2].lstrip("0") or "0"
+    negative = match[1] == "-" and digits != "0"
     return "-" + digits if negative else digits
 
 
@@ -108,13 +108,11 @@ def _serve_helper(parent):
     sys.stdout = sys.stderr  # nothing but answers goes down the pipe
     out.write("ready\n")
     out.flush()
-    modules = {}  # file -> its module, loaded by its first call
+    load = functools.cache(_load_file)  # file -> its module, loaded by its first call
     for line in sys.stdin:
         try:
             path, name, args = json.loads(line)
-            if path not in modules:
-                modules[path] = _load_file(path)
-            reply = json.dumps(getattr(modules[path], name)(*args))
+            reply = json.dumps(getattr(load(path), name)(*args))
         except Exception:
             reply = "null"
         out.write(reply + "\n")
@@ -338,7 +336,7 @@ def load_file(name):
     return getattr(module, attribute) if attribute else module
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_task(name):
     """A task (loaded once per process): a file or module as load_file reads it. See tasks/math.py for what a task defines."""
     task = load_file(name)
