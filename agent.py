@@ -30,6 +30,7 @@ it differs from the paper, and what we could not make identical, is in the relea
 end of this file and in the README's fidelity table.
 """
 
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -253,8 +254,8 @@ def parse_tool_calls(turn_text, max_calls=1, tools=PYTHON_TOOLS):
     """
     if max_calls < 1:
         raise ValueError(f"max_calls must be >= 1, got {max_calls}")
-    blocks = zip(range(max_calls), _blocks(turn_text, "<tool_call>", "</tool_call>"))
-    return [_parse_one_call(turn_text[a:b], tools) for _, (a, b) in blocks]
+    blocks = itertools.islice(_blocks(turn_text, "<tool_call>", "</tool_call>"), max_calls)
+    return [_parse_one_call(turn_text[a:b], tools) for a, b in blocks]
 
 
 def start_call(call, tools, sandbox, environment=None):
@@ -411,7 +412,8 @@ def check_messages(messages, tool_names=None):
         if role == "assistant" and not seen_user:
             raise ValueError(f"message {i}: assistant message before any user message")
         seen_user |= role == "user"
-        pending = len(calls) if role == "assistant" else max(0, pending - 1)
+        # a tool message answers one call (there is one: checked above)
+        pending = pending - 1 if role == "tool" else len(calls)
         fixed = []
         for call in calls:
             name, args = read_tool_call(call, i)
@@ -507,10 +509,11 @@ def mask_runs(tokenizer, ids, mask):
     0: tool responses and forced glue)."""
     runs = []
     start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or mask[i] != mask[start]:
-            runs.append([tokenizer.decode(ids[start:i]), mask[start]])
-            start = i
+    # each run of equal mask values, from start to end
+    for m, run in itertools.groupby(mask):
+        end = start + len(list(run))
+        runs.append([tokenizer.decode(ids[start:end]), m])
+        start = end
     return runs
 
 
@@ -554,9 +557,8 @@ def answer_block(text):
 
 def extract_answer(text):
     """The content of the last \\boxed{...} (balanced braces) inside answer_block(text); else None."""
-    block = answer_block(text)
-    if block is None:
-        return None
+    # no answer block: no \boxed{} either
+    block = answer_block(text) or ""
     start = block.rfind("\\boxed{")
     if start < 0:
         return None
