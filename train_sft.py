@@ -176,11 +176,11 @@ def epoch_order(sizes, weights, seed, epoch):
     for file_index, (size, weight) in enumerate(zip(sizes, weights)):
         # every conversation ⌊weight⌋ times
         rows = list(range(size)) * int(weight)
-        if weight > int(weight):
-            # a fresh random share each epoch (int tuples hash the same in every process)
-            generator = torch.Generator().manual_seed(hash((seed, epoch, file_index)))
-            share = round((weight - int(weight)) * size)
-            rows += torch.randperm(size, generator=generator)[:share].tolist()
+        # plus a fresh random share of weight - ⌊weight⌋ each epoch (none for a whole weight; int tuples hash
+        # the same in every process)
+        generator = torch.Generator().manual_seed(hash((seed, epoch, file_index)))
+        share = round((weight - int(weight)) * size)
+        rows += torch.randperm(size, generator=generator)[:share].tolist()
         items += [(file_index, row) for row in rows]
     generator = torch.Generator().manual_seed(seed + epoch)
     order = torch.randperm(len(items), generator=generator).tolist()
@@ -344,8 +344,8 @@ if __name__ == "__main__":
 
             # 6. logging: metrics.jsonl every step, a progress line every log_every steps
             # the gradient norm: a DTensor made whole (a collective, every rank calls it)
-            logger.log(step, {"loss": loss_sum.item(), "lr": lr_now,
-                              "grad_norm": float(full_value(grad_norm)), "skipped": skipped})
+            logger.log(step, {"loss": loss_sum, "lr": lr_now, "grad_norm": full_value(grad_norm),
+                              "skipped": skipped})
             if step % log_every == 0 or step == total:
                 print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
                        f"dt {time.perf_counter() - step_start:.2f}s")
