@@ -42,10 +42,10 @@ def make_claim(requests, mode, counter):
     """A claim(n) function for rollout.Engine.run over the global request list (same on every rank; any
     sequence that slices, e.g. a Lazy one). counter names this generation's claim counter in the store:
     every rank passes the same name, and no two generations of one process group share one (f"rl/{step}")."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world = world_size()
+    if world == 1:
         return iter_claim(requests)
     rank = dist.get_rank()
-    world = dist.get_world_size()
     if mode == "static":
         # a generator: the requests are still made only when claimed
         return iter_claim(requests[index] for index in range(rank, len(requests), world))
@@ -172,11 +172,16 @@ def task_metrics(summaries, task_of):
     return metrics
 
 
+def world_size():
+    """How many ranks there are (1 without torchrun)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def gather(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank (one process: [obj])."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
+    out = [None] * world_size()
     dist.all_gather_object(out, obj, group=cpu_group())
     return out
 
@@ -210,7 +215,7 @@ def exchange(trajectories, dest):
     """Send each of this rank's trajectories whose key is in dest to rank dest[key], compacted; returns
     {key: Tokens} of those sent here, from every rank. One
     all-to-all of pickled bytes over the gloo group: each rank sends and receives only its own share."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     out = [[] for _ in range(world)]
     for trajectory in trajectories:
         if trajectory.key in dest:
