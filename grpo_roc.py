@@ -439,10 +439,10 @@ def mismatch(trainer_logprobs, engine_logprobs, mask):
     """
     mask = mask.bool()
     d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0)  # (B, T)
-    # d is 0 off the mask, so the max over all of it is the max over the mask (0 with no mask-1 token)
-    return {"abs": d.abs().sum(), "max": d.abs().max(),
-            "k3": torch.where(mask, d.exp() - 1 - d, 0.0).sum(),
-            "out": (mask & (d.abs() > math.log(2))).sum(), "n": mask.sum()}
+    # d is 0 off the mask, where |d|, e^d - 1 - d and (|d| > log 2) are 0 too: the sums and the max over all of it
+    # are those over the mask (the max 0 with no mask-1 token)
+    return {"abs": d.abs().sum(), "max": d.abs().max(), "k3": (d.exp() - 1 - d).sum(),
+            "out": (d.abs() > math.log(2)).sum(), "n": mask.sum()}
 
 
 def tis_weights(trainer_logprobs, engine_logprobs, cap):
