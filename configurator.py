@@ -38,15 +38,15 @@ def check(key, value, defaults, where):
         close = difflib.get_close_matches(key, defaults, n=1)
         fail(f"{where}: unknown key '{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
     default = defaults[key]
-    if default is None or value is None:
+    # no default to match, no value, or a value of the default's own type: as it is
+    if default is None or value is None or type(value) is type(default):
         return value
     # an int where a float is expected becomes one (a bool is no int here: type, not isinstance)
     if isinstance(default, float) and type(value) is int:
         return float(value)
-    elif isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
+    # a list for a tuple, or a tuple for a list
+    if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         return type(default)(value)
-    elif type(value) is type(default):
-        return value
     fail(f"{where}: '{key}' must be {type(default).__name__} (default {default!r}), got {value!r}")
 
 
