@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -61,13 +62,12 @@ def make_claim(requests, mode, counter):
     return claim
 
 
+@dataclass
 class Lazy:
     """A sequence of n items made on demand by make(i), e.g. Requests: a rank builds only the requests it
     claims, so memory does not grow with the data file."""
-
-    def __init__(self, n, make):
-        self.n = n
-        self.make = make
+    n: int
+    make: Callable  # i -> item i
 
     def __len__(self):
         return self.n
