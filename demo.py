@@ -262,12 +262,13 @@ summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before[
 # the 1M-parameter SFT amplifies small differences, so another CPU (its kernels round differently) or another SFT
 # seed moves the SFT row by points, not tenths, and RL narrows the gap. Only the default run is comparable.
 XEON = "an Intel Xeon with AVX-512 and AMX (2 cores, KVM), 1c65858"
-# EPYC: 52.6% after RL at 0644795 (micro-batches of 4,096 tokens); at cd3e831 (an SFT that rounds differently)
+# EPYC: 52.1% after RL at 5a55352 (before a prompt's tokens ran once in the update, which adds the gradient's sums
+# in another order), 52.6% at 0644795 (micro-batches of 4,096 tokens); at cd3e831 (an SFT that rounds differently)
 # 57.0% and 66.6%
-EPYC = "a 2-core AMD EPYC, 5a55352"
+EPYC = "a 2-core AMD EPYC, 90b074a"
 REFERENCE = {
     "after SFT": {"the README's 2-core box (CPU model not recorded), 89f3128": 55.0, XEON: 47.4, EPYC: 45.8},
-    f"after GRPO-RoC ({steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 52.1},
+    f"after GRPO-RoC ({steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 50.8},
 }
 default_run = seed == 0 and not recover and not any(arg.startswith(("--rl.", "--eval.")) for arg in sys.argv)
 if default_run:
