@@ -622,6 +622,11 @@ def collate(seqs, device, packed, prompts=()):
             # each row's first row of its prompt, and the tokens it takes from there (none when it is that row)
             rows = [keys.index(key) for key in keys]
             counts = [count if rows[row] != row else 0 for row, (_, count) in enumerate(prompts)]
+            # a row that does not begin with what it shares would train on another row's tokens, silently
+            for row, (src, count) in enumerate(zip(rows, counts)):
+                if not np.array_equal(cols["ids"][row][:count], cols["ids"][src][:count]):
+                    raise ValueError(f"sequence {row} does not begin with the {count} prompt tokens of sequence "
+                                     f"{src}, the first of prompt {prompts[row][0]!r}")
             out["shared"] = np.array([rows, counts])
     return {k: torch.from_numpy(v).to(device, torch.float32 if v.dtype.kind == "f" else torch.long)
             for k, v in out.items()}

@@ -147,6 +147,9 @@ def test_shared_prompts_run_once_and_give_transformers_values(pair):
     for n in grads[0]:
         assert torch.allclose(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4), n
     ours.zero_grad()
+    # a row that does not begin with its prompt's tokens is refused, naming it
+    with pytest.raises(ValueError, match="sequence 2 does not begin with the 6 prompt tokens of sequence 0"):
+        collate([seqs[0], seqs[1], {"ids": seqs[2]["ids"][::-1]}], "cpu", packed=False, prompts=shared[:3])
     ids, mask = padded_batch()  # a left-padded row: no shared prefix to speak of
     with pytest.raises(ValueError, match="right-padded"):
         ours(ids, mask, shared=torch.zeros(2, 3, dtype=torch.long))
