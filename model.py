@@ -375,14 +375,14 @@ class Qwen(nn.Module):
         weight = self.model.embed_tokens.weight
         t = torch.arange(T, device=weight.device)
         flash = use_flash(weight.device, weight.dtype)
-        right_padded = (attention_mask is None
-                        or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all())
-        if shared is not None and (flash or not right_padded):
+        # SDPA's path with no mask, or one sequence a row, right-padded (as collate pads them): plain causal
+        # attention is exact for every real token (its row's padding comes after it), and SDPA skips the blocks
+        # above the diagonal (~6% of an RL update on the CPU). flash-attn's path never reads the mask's values here
+        right_padded = not flash and (attention_mask is None
+                                      or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all())
+        if shared is not None and not right_padded:
             raise ValueError("shared needs right-padded rows (a 0/1 attention_mask), on SDPA's path")
-        # no mask, or one sequence a row, right-padded (as collate pads them): plain causal attention is exact
-        # for every real token (its row's padding comes after it), and SDPA skips the blocks above the diagonal
-        # (~6% of an RL update on the CPU)
-        if not flash and right_padded:
+        if right_padded:
             positions = t.expand(B, T)
             att = dict(flash=False, mask=None)
             if shared is not None:
