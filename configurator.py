@@ -8,7 +8,10 @@ An entry script declares its defaults as plain module globals, then calls
 which reads sys.argv: every argument without `--` is a python config file of plain assignments
 (applied in order), every `--key=value` overrides one key. Values are type-checked against the
 defaults, an unknown key is an error naming the closest valid key, every override is echoed, and
-`--help` lists keys, defaults, types and the comment beside each default. Any mistake exits with one line that names it.
+`--help` lists keys, defaults, types and the comment beside each default. Any mistake exits with one
+line that names it; so does a value outside the ranges an entry script states with
+
+    require(globals(), "lr >= 0", "0 < top_p <= 1", ...)
 """
 import ast
 import difflib
@@ -48,6 +51,18 @@ def check(key, value, defaults, where):
     if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
         return type(default)(value)
     fail(f"{where}: '{key}' must be {type(default).__name__} (default {default!r}), got {value!r}")
+
+
+def require(g, *rules):
+    """Exit naming the keys and their values when a rule, a Python expression over the config keys of g (a
+    script's globals: "0 < top_p <= 1"), is false. The entry scripts state their settings' ranges this way, so
+    a value the run would misuse quietly (a negative KL coefficient) or fail on late (after a step's rollouts,
+    minutes into a 64-GPU run) stops it before anything starts."""
+    for rule in rules:
+        if not eval(rule, g):
+            # the keys the rule names, in order, each once
+            keys = [key for key in dict.fromkeys(re.findall(r"[A-Za-z_]\w*", rule)) if key in g]
+            fail(f"need {rule}, got " + ", ".join(f"{key} = {g[key]!r}" for key in keys))
 
 
 def parse_value(text):

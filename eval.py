@@ -246,7 +246,7 @@ if __name__ == "__main__":
 
     from checkpoint import latest_checkpoint
     from common import barrier, compute_cleanup, compute_init, print0, resolve_model, write_jsonl
-    from configurator import configure
+    from configurator import configure, require
     from model import load_model
     from rollout import Engine, kv_rows
     from sandbox import SandboxPool
@@ -301,6 +301,10 @@ if __name__ == "__main__":
     # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     dist_timeout_s = 1800
     cfg = configure(globals())
+    # the ranges of the settings
+    require(globals(), "samples >= 1", "limit >= 0", "not keep_solved or 0 <= keep_min_correct <= samples",
+            "max_response_tokens >= 1", "max_turns >= 1", "max_calls_per_turn >= 1", "tool_max_chars >= 2",
+            "temperature >= 0", "0 < top_p <= 1")
 
     rank, world, device = compute_init(seed, dist_timeout_s)
     if not model_path or not data_path:
@@ -317,12 +321,6 @@ if __name__ == "__main__":
         raise SystemExit(f"config error: {e}")
     problems = grading.read_problems(data_path, task_module)
 
-    if limit < 0 or samples < 1:
-        raise SystemExit(
-            f"eval error: need limit >= 0 and samples >= 1, got limit={limit} samples={samples}")
-    if keep_solved and not 0 <= keep_min_correct <= samples:
-        raise SystemExit(f"eval error: need 0 <= keep_min_correct <= samples, "
-                         f"got {keep_min_correct} and {samples}")
     # the first limit problems; limit 0: all of them
     problems = problems[:limit or None]
     if not problems:

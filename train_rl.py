@@ -47,7 +47,7 @@ from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_
                         save_checkpoint)
 from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
                     print0, resolve_model)
-from configurator import configure
+from configurator import configure, require
 from model import collate, full_value, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
 from sandbox import SandboxPool
@@ -156,6 +156,16 @@ dist_timeout_s = 1800
 seed = 0  # data order, RoC's sampling and every rollout's generator derive from it
 wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
+# the ranges of the settings: one outside stops the run here, naming it, not after a step's rollouts. RoC
+# samples 2G and keeps G; plain GRPO samples keep_per_prompt and needs two of a prompt for a baseline; a whole
+# trajectory fits one micro-batch
+require(globals(), "prompts_per_step >= 1", "keep_per_prompt >= 1", "roc or keep_per_prompt >= 2",
+        "not roc or samples_per_prompt == 2 * keep_per_prompt", "max_response_tokens >= 1",
+        "max_prompt_tokens + max_response_tokens <= max_tokens_per_micro", "max_turns >= 1",
+        "max_calls_per_turn >= 1", "tool_max_chars >= 2", "temperature >= 0", "0 < top_p <= 1", "lr >= 0",
+        "warmup_steps >= 0", "grad_clip > 0", "0 <= eps_low < 1", "eps_high >= 0",
+        "dual_clip == 0 or dual_clip > 1", "mini_batches >= 1", "kl_coef >= 0", "tis_cap == 0 or tis_cap >= 1",
+        "mismatch_band >= 0")
 # -----------------------------------------------------------------------------
 
 try:
@@ -169,10 +179,6 @@ try:
 except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
     raise SystemExit(f"config error: {e}")
 max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
-if max_len > max_tokens_per_micro:  # a whole trajectory in one micro-batch
-    raise SystemExit(f"config error: max_prompt_tokens + max_response_tokens = {max_len} > "
-                     f"max_tokens_per_micro = {max_tokens_per_micro}: raise max_tokens_per_micro "
-                     f"or lower the other two")
 rank, world, device = compute_init(seed, dist_timeout_s)
 model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)

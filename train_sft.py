@@ -196,7 +196,7 @@ if __name__ == "__main__":
 
     from checkpoint import load_trainable
     from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
-    from configurator import configure
+    from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
     from scheduler import gather
 
@@ -221,12 +221,9 @@ if __name__ == "__main__":
     seed = 0
     wandb_project = ""
     cfg = configure(globals())
-
-    # a conversation must fit one micro-batch
-    if max_seq_len > max_tokens_per_micro:
-        sys.exit(f"config error: max_seq_len={max_seq_len} > "
-                 f"max_tokens_per_micro={max_tokens_per_micro}: raise max_tokens_per_micro or "
-                 "lower max_seq_len")
+    # the ranges of the settings (a conversation fits one micro-batch)
+    require(globals(), "epochs >= 1", "lr >= 0", "0 <= lr_min_ratio <= 1", "0 <= warmup_ratio <= 1",
+            "batch_size >= 1", "max_seq_len <= max_tokens_per_micro", "grad_clip > 0", "log_every >= 1")
     rank, world, device = compute_init(seed)
     model_path = resolve_model(model_path)
     # packed rows for flash-attn's varlen kernel, padded batches for SDPA

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from configurator import configure
+from configurator import configure, require
 
 
 def defaults():
@@ -37,6 +37,16 @@ def test_malformed_value_names_key(capsys):
     assert code == 2 and len(err) == 1 and "'steps' must be int" in err[0]
     code, err = run(["--roc=maybe"], capsys)
     assert code == 2 and "'roc' must be bool" in err[0]
+
+
+def test_a_value_outside_its_range_names_the_rule_and_its_keys(capsys):
+    g = configure(defaults(), ["--steps=0", "--lr=1e-5"])
+    require(g, "steps >= 0", "0 <= lr < 1")  # all hold: nothing happens
+    for rule, says in [("steps >= 1", "need steps >= 1, got steps = 0"),
+                       ("not roc or steps > lr", "need not roc or steps > lr, got roc = True, steps = 0, lr = 1e-05")]:
+        with pytest.raises(SystemExit) as e:
+            require(g, "lr >= 0", rule)
+        assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"config error: {says}"]
 
 
 def test_config_file(tmp_path, capsys):

@@ -164,13 +164,23 @@ def test_hub_ids_resolve_offline_and_missing_paths_are_named(sft, tmp_path):
         assert "Traceback" not in out.stderr, cmd[0]
 
 
-def test_a_trajectory_longer_than_a_micro_batch_is_refused_at_start(tmp_path):
-    # before, packing retried with one more bin per rank at a time: cubic in their number (weeks at stage 1)
-    out = run("train_rl.py", "configs/tiny_rl.py", "--max_tokens_per_micro=200", f"--run_dir={tmp_path}", check=False)
-    assert out.returncode != 0
-    assert "max_prompt_tokens + max_response_tokens = 288 > max_tokens_per_micro = 200" in out.stderr, out.stderr
-    out = run("train_sft.py", "configs/tiny_sft.py", "--max_tokens_per_micro=200", check=False)
-    assert out.returncode != 0 and "max_seq_len=512 > max_tokens_per_micro=200" in out.stderr, out.stderr
+def test_settings_out_of_range_are_refused_at_start(tmp_path):
+    # a trajectory longer than a micro-batch: before, packing retried with one more bin per rank at a time, cubic
+    # in their number (weeks at stage 1); RoC keeping more than half of its samples failed after the first
+    # step's rollouts; a negative KL coefficient ran, rewarding the drift from the reference
+    for cmd, says in [
+            (("train_rl.py", "configs/tiny_rl.py", "--max_tokens_per_micro=200", f"--run_dir={tmp_path}/a"),
+             "need max_prompt_tokens + max_response_tokens <= max_tokens_per_micro, got max_prompt_tokens = 96, "
+             "max_response_tokens = 192, max_tokens_per_micro = 200"),
+            (("train_rl.py", "configs/tiny_rl.py", "--keep_per_prompt=12", "--kl_coef=-1", f"--run_dir={tmp_path}/b"),
+             "need not roc or samples_per_prompt == 2 * keep_per_prompt, got roc = True, samples_per_prompt = 16, "
+             "keep_per_prompt = 12"),
+            (("train_sft.py", "configs/tiny_sft.py", "--max_tokens_per_micro=200"),
+             "need max_seq_len <= max_tokens_per_micro, got max_seq_len = 512, max_tokens_per_micro = 200"),
+            (("eval.py", "configs/tiny_eval.py", "--top_p=0"), "need 0 < top_p <= 1, got top_p = 0.0")]:
+        out = run(*cmd, check=False)
+        assert out.returncode == 2 and out.stderr.splitlines()[-1] == f"config error: {says}", out.stderr
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing made
 
 
 def test_prompts_all_too_long_name_the_key(sft, tmp_path):
