@@ -156,16 +156,19 @@ dist_timeout_s = 1800
 seed = 0  # data order, RoC's sampling and every rollout's generator derive from it
 wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
-# the ranges of the settings: one outside stops the run here, naming it, not after a step's rollouts. RoC
-# samples 2G and keeps G; plain GRPO samples keep_per_prompt and needs two of a prompt for a baseline; a whole
-# trajectory fits one micro-batch
-require(globals(), "prompts_per_step >= 1", "keep_per_prompt >= 1", "roc or keep_per_prompt >= 2",
-        "not roc or samples_per_prompt == 2 * keep_per_prompt", "max_response_tokens >= 1",
-        "max_prompt_tokens + max_response_tokens <= max_tokens_per_micro", "max_turns >= 1",
-        "max_calls_per_turn >= 1", "tool_max_chars >= 2", "temperature >= 0", "0 < top_p <= 1", "lr >= 0",
-        "warmup_steps >= 0", "grad_clip > 0", "0 <= eps_low < 1", "eps_high >= 0",
-        "dual_clip == 0 or dual_clip > 1", "mini_batches >= 1", "kl_coef >= 0", "tis_cap == 0 or tis_cap >= 1",
-        "mismatch_band >= 0")
+# the ranges of the settings: one outside stops the run here, naming it, not after a step's rollouts
+require(globals(),
+        # the groups: RoC samples 2G and keeps G; plain GRPO samples G and needs two for a baseline
+        "prompts_per_step >= 1", "keep_per_prompt >= 1", "roc or keep_per_prompt >= 2",
+        "not roc or samples_per_prompt == 2 * keep_per_prompt",
+        # the rollouts; a whole trajectory fits one micro-batch
+        "max_response_tokens >= 1", "max_prompt_tokens + max_response_tokens <= max_tokens_per_micro",
+        "max_turns >= 1", "max_calls_per_turn >= 1", "tool_max_chars >= 2",
+        "temperature >= 0", "0 < top_p <= 1",
+        # the optimisation and the loss
+        "lr >= 0", "warmup_steps >= 0", "grad_clip > 0", "mini_batches >= 1",
+        "0 <= eps_low < 1", "eps_high >= 0",
+        "dual_clip == 0 or dual_clip > 1", "kl_coef >= 0", "tis_cap == 0 or tis_cap >= 1", "mismatch_band >= 0")
 # -----------------------------------------------------------------------------
 
 try:
