@@ -380,7 +380,7 @@ class Qwen(nn.Module):
         # above the diagonal (~6% of an RL update on the CPU). flash-attn's path never reads the mask's values here
         right_padded = not flash and (attention_mask is None
                                       or attention_mask.max() <= 1 and (attention_mask.diff() <= 0).all())
-        if shared is not None and not right_padded:
+        if shared is not None and (attention_mask is None or not right_padded):
             raise ValueError("shared needs right-padded rows (a 0/1 attention_mask), on SDPA's path")
         if right_padded:
             positions = t.expand(B, T)

@@ -153,6 +153,8 @@ def test_shared_prompts_run_once_and_give_transformers_values(pair):
     ids, mask = padded_batch()  # a left-padded row: no shared prefix to speak of
     with pytest.raises(ValueError, match="right-padded"):
         ours(ids, mask, shared=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="right-padded"):  # no mask: nothing says where a row's tokens end
+        ours(ids, shared=torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_token_logprobs_values_entropy_and_grad(pair):
