@@ -30,6 +30,18 @@ def run(*args, ranks=1, check=True, env=None, torchrun=False):
     return p
 
 
+# The math task with a reward that varies within every group whatever the model says (the parity of its answer's
+# length), for the tests of resumes, ranks and loss terms: each of their steps trains. The tiny model below earns the
+# math reward in some steps on one CPU and in none on another (an AMD EPYC: its kernels round differently)
+VARIED_TASK = '''from tasks.math import COLUMNS, TOOLS, predict, prompt  # noqa: F401
+
+
+def grade(row, pred, turns, grader, trajectory):
+    odd = len("".join(turns)) % 2 == 1
+    return float(odd), odd
+'''
+
+
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory):
     """A tiny model SFT-trained hard on 12 problems; RL then trains on the same problems, so a few
@@ -45,6 +57,7 @@ def sft(tmp_path_factory):
     run("train_sft.py", "configs/tiny_sft.py", f"--model_path={d}/base",
         f"--data_mix=[('{d}/data/sft.jsonl', 'rstar2', 1.0)]",
         f"--out_dir={d}/sft", "--epochs=60", "--batch_size=12", "--lr=1e-2", "--log_every=1000")
+    (d / "varied.py").write_text(VARIED_TASK)
     return d
 
 
@@ -60,9 +73,10 @@ def weights(path):
 
 
 def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
-    rl(sft, tmp_path / "a", "--steps=4")
-    rl(sft, tmp_path / "b", "--steps=2")
-    out = rl(sft, tmp_path / "b", "--steps=4", "--resume=true")
+    varied = f"--task={sft}/varied.py"
+    rl(sft, tmp_path / "a", "--steps=4", varied)
+    rl(sft, tmp_path / "b", "--steps=2", varied)
+    out = rl(sft, tmp_path / "b", "--steps=4", "--resume=true", varied)
     assert "resumed from" in out.stdout
     metrics = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -72,7 +86,7 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
     assert any(not torch.equal(a[k], start[k]) for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)  # 4 straight == 2 + resume + 2, bit for bit
     # two gloo ranks (FSDP2 + dynamic rollout claiming) end where one process ends; under the real torchrun
-    rl(sft, tmp_path / "c", "--steps=2", ranks=2, torchrun=True)
+    rl(sft, tmp_path / "c", "--steps=2", varied, ranks=2, torchrun=True)
     one, two = weights(tmp_path / "a" / "step_000002"), weights(tmp_path / "c" / "step_000002")
     for k in one:
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
@@ -81,7 +95,7 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
 @pytest.mark.parametrize("overlay", ["configs/dr_grpo.py", "configs/gspo.py"])
 def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
     # save_every=0: one checkpoint, the last step's (it divided by zero before)
-    rl(sft, tmp_path / "r", "--steps=2", overlay, "--save_every=0")
+    rl(sft, tmp_path / "r", "--steps=2", overlay, "--save_every=0", f"--task={sft}/varied.py")
     metrics = [json.loads(line) for line in open(tmp_path / "r" / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and any(m["loss/grad_norm"] > 0 for m in metrics)
     assert [p for p in os.listdir(tmp_path / "r") if p.startswith("step_")] == ["step_000002"]
@@ -95,7 +109,7 @@ def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
         "def gap(logprobs, engine_logprobs, mask, **_):\n"
         "    return (logprobs - engine_logprobs).abs()\n")
     mine = tmp_path / "my_ideas.py"
-    rl(sft, tmp_path / "r", "--steps=2", "--dump_every=1", f"--adv_scale={mine}:rloo",
+    rl(sft, tmp_path / "r", "--steps=2", "--dump_every=1", f"--adv_scale={mine}:rloo", f"--task={sft}/varied.py",
        f"--loss_terms=[('{mine}:gap', 0.01)]")
     # the estimator: each kept trajectory's advantage is its reward minus the mean of its group's other kept
     for step in (1, 2):
@@ -117,7 +131,7 @@ def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
 def test_the_kl_term_on_two_ranks_repeats_bit_for_bit_and_resumes(sft, tmp_path):
     # kl_coef > 0: a frozen reference (the starting model) sharded over 2 gloo ranks; 3 straight steps
     # and 1 + resume + 2 end on the same weights, bit for bit (the reference is loaded again, not saved)
-    kl = ("--kl_coef=0.5", "--deterministic=true")
+    kl = ("--kl_coef=0.5", "--deterministic=true", f"--task={sft}/varied.py")
     rl(sft, tmp_path / "a", "--steps=3", *kl, ranks=2)
     rl(sft, tmp_path / "b", "--steps=1", *kl, ranks=2)
     resumed = rl(sft, tmp_path / "b", "--steps=3", "--resume=true", *kl, ranks=2)
