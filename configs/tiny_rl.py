@@ -17,5 +17,9 @@ warmup_steps = 3
 # lengths (bench.py u's batch: 15% padding at 4096, 4% at 1024); the update's step 1 ran x1.4 faster than at 4096
 max_tokens_per_micro = 1024
 tool_timeout = 2.0
+# await every tool answer before the next forward, as the demo's runs do (and runs repeat bit for bit): where the
+# sandbox shares the trainer's cores, overlapping tools with decoding saved no wall time and cost a RoC step
+# up to a third more CPU, in more and smaller forwards (docs/speed.md); the GPU configs overlap them
+deterministic = True
 tool_max_chars = 256
 save_every = 20

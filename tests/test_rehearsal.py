@@ -37,7 +37,8 @@ def rehearse(d, run_dir, *extra, fault="", check=True):
            f"--model_path={d}/base", f"--data_path={d}/data/train.jsonl", f"--run_dir={run_dir}",
            "--prompts_per_step=4", "--samples_per_prompt=4", "--keep_per_prompt=2", "--max_response_tokens=128",
            "--max_turns=2", "--max_calls_per_turn=1", "--tool_timeout=1.0", "--tool_workers=2", "--lr=1e-3",
-           "--warmup_steps=1", "--save_every=2", "--dump_every=1", "--rollout_split=dynamic", *extra]
+           "--warmup_steps=1", "--save_every=2", "--dump_every=1", "--rollout_split=dynamic",
+           "--deterministic=false", *extra]
     p = zygote.run(cmd, timeout=300, ranks=2)
     assert p.returncode == 0 or not check, p.stdout[-3000:] + p.stderr[-5000:]
     return p
