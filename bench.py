@@ -2012,6 +2012,11 @@ def print_trl(variant, run, steps):
         line += (f"; first steps apart: ours {firsts['ours']:.2f} s, TRL {firsts['TRL']:.2f} s, "
                  f"x{firsts['TRL'] / firsts['ours']:.2f}")
     print(line)
+    # a side that trains nothing skips its update: not the same work (a model that earns no reward)
+    for name, m in med.items():
+        if m["trained"] == 0:
+            print(f"   {variant}: not the same work: {name} trained no trajectory in its median "
+                  f"step (every group's rewards equal), so its update did not run")
 
 
 def print_trl_terms(cfg, runs):
@@ -2033,11 +2038,15 @@ def print_trl_terms(cfg, runs):
     print(f"   not equal: TRL's warm-up starts at lr 0, ours at lr / {cfg['warmup_steps']}; each "
           f"side samples its own tokens, so tokens a step differ: ms/token divides by its own")
     if any(variant.startswith("tool") for variant in runs):
+        # configs/tiny_rl.py awaits its tools (deterministic); --deterministic=false overlaps them
+        ours_calls = ("sends the calls to the sandbox pool as turns end and awaits every "
+                      "answer before its next forward" if cfg["deterministic"]
+                      else "runs calls while other rows decode")
         print("   tool: the same prompt tokens (TRL renders them with the release's chat "
               "template), sandbox, tool answers and turn tokens; not equal: TRL runs the calls "
               "when the whole batch's generate ends, one call at a time, then generates again for "
-              "the rows that called, on their whole history; ours runs calls while other rows "
-              "decode and keeps each row's KV. TRL parses calls with trl's Qwen3 parser, ours "
+              f"the rows that called, on their whole history; ours {ours_calls}, and keeps each "
+              "row's KV. TRL parses calls with trl's Qwen3 parser, ours "
               "with agent.parse_tool_calls (a malformed call is answered differently)")
     for run in runs.values():
         for line in run["unequal"]:
