@@ -158,15 +158,25 @@ def as_throwaway_user(argv, timeout=300, background=False):
     if not ROOT or not shutil.which("setpriv") or not shutil.which("unshare"):
         pytest.skip("running as a throwaway uid needs root, setpriv and unshare")
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # the first directory on the way to the interpreter's base install that others may not enter (e.g. /root)
-    base = os.path.realpath(sys.base_prefix)
-    shut = next((d for d in [*reversed(_parents(base)), base] if not os.stat(d).st_mode & 0o001), None)
-    for path in (checkout, os.path.realpath(sys.prefix)):
-        if any(not os.stat(d).st_mode & 0o001 for d in _parents(path) + [path]):
+    # what the uid must reach: the interpreter's base install, the checkout and its venv (each one not inside
+    # another). A directory on the way that others may not enter (/root; mktemp's private directory above a fresh
+    # clone) is covered, in this run's own mount namespace, by an open tmpfs holding only the path below it, bound
+    # in: the uid reaches the path and nothing else of that directory
+    paths = [os.path.realpath(p) for p in (sys.base_prefix, checkout, sys.prefix)]
+    paths = [p for p in dict.fromkeys(paths) if not any(p.startswith(q + "/") for q in paths)]
+    for path in paths:
+        if not os.stat(path).st_mode & 0o001:
             pytest.skip(f"{path} is not open to other users")
-    cover = (f'mount -t tmpfs tmpfs /mnt && mkdir /mnt/py && mount --bind "{base}" /mnt/py && '
-             f'mount -t tmpfs -o mode=755 tmpfs "{shut}" && mkdir -p "{base}" && mount --move /mnt/py "{base}" && '
-             if shut else "")
+    shut = {p: next((d for d in reversed(_parents(p)) if not os.stat(d).st_mode & 0o001), None) for p in paths}
+    covered = {p: d for p, d in shut.items() if d}
+    # each path bound aside, a tmpfs over each shut directory (not one inside another: that one is gone), then
+    # each path bound back in
+    cover = "".join(f'mkdir /mnt/{i} && mount --bind "{p}" /mnt/{i} && ' for i, p in enumerate(covered))
+    cover += "".join(f'mount -t tmpfs -o mode=755 tmpfs "{d}" && ' for d in sorted(set(covered.values()))
+                     if not any(d.startswith(e + "/") for e in covered.values()))
+    cover += "".join(f'mkdir -p "{p}" && mount --move /mnt/{i} "{p}" && ' for i, p in enumerate(covered))
+    if cover:
+        cover = "mount -t tmpfs tmpfs /mnt && " + cover
     script = cover + f'exec setpriv --reuid {THROWAWAY_UID} --regid {THROWAWAY_UID} --clear-groups "$@"'
     env = {"PATH": os.environ["PATH"], "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "LC_ALL": "C.UTF-8"}
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *argv]
