@@ -1584,17 +1584,24 @@ TRL_LOSS = {"adv_scale": "std", "loss_norm": "token", "ratio_level": "token", "m
 # the single-turn task of (trl), written to a temp file for train_rl.py's --task and loaded by the
 # TRL side too. The tiny model answers every arithmetic question with a tool call, so one turn
 # never holds an answer and the math reward is 0 for every sample: no group would carry a signal
-# and ours would skip the update. This reward is 1 when the turn copies the question's expression
-# exactly (the tiny model sometimes miscopies a number): groups differ, and both sides do the whole
-# update.
-TRL_TASK = '''"""bench.py trl: math_no_tool's prompt; reward 1: the turn copies the question"""
+# and ours would skip the update. This reward is the share of the question's expression that the
+# turn copies (its longest run of it: 1 when copied whole). A tiny model that miscopies numbers
+# earns it in parts, so groups differ on any CPU's model (a reward of exact copies alone was 0 in
+# almost every sample of one box's model, and ours then trained nothing), and both sides do the
+# whole update.
+TRL_TASK = '''"""bench.py trl: math_no_tool's prompt; reward: the share of the question's expression
+the turn copies (its longest run of it), 1 when copied whole"""
+import difflib
+
 from tasks.math_no_tool import COLUMNS, TOOLS, predict, prompt  # noqa: F401
 
 
 def grade(row, pred, turns, grader, trajectory):
     expression = row["question"].removeprefix("What is ").removesuffix("?")
-    copied = expression in "".join(turns)
-    return float(copied), copied
+    text = "".join(turns)
+    run = difflib.SequenceMatcher(None, expression, text, autojunk=False).find_longest_match(
+        0, len(expression), 0, len(text))
+    return run.size / len(expression), run.size == len(expression)
 '''
 
 
@@ -1956,7 +1963,7 @@ def trl_bench(trl_python, rounds, steps, micro_rows, model_path, data_path,
               f"process, one thread; {cfg['prompts_per_step']} prompts a step, "
               f"{cfg['max_response_tokens']} new tokens at most, temperature "
               f"{cfg['temperature']}, lr {cfg['lr']}, {model_path}. grpo, roc: one assistant "
-              f"turn, no tool, reward: the turn copies the question's expression "
+              f"turn, no tool, reward: the share of the question's expression the turn copies "
               f"(bench.TRL_TASK); tool, tool_roc: tasks/math.py with the tool (our sandbox on "
               f"both sides), up to {runs[variants[-1]]['cfg']['max_turns']} turns", flush=True)
         for round_index in range(rounds):

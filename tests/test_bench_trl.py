@@ -54,14 +54,16 @@ def test_trl_config_mirrors_ours_and_names_what_it_cannot(monkeypatch):
         bench.trl_config(cfg, 48)
 
 
-def test_the_copy_task_rewards_an_exact_copy(tmp_path, monkeypatch):
+def test_the_copy_task_rewards_the_share_copied(tmp_path, monkeypatch):
     path = tmp_path / "copy_task.py"
     path.write_text(bench.TRL_TASK)
     monkeypatch.chdir(ROOT)
     task = grading.load_task(str(path))
     row = {"question": "What is 716 - 997 - 885?", "answer": "-1166"}
     assert task.grade(row, None, ['{"code": "print(716 - 997 - 885)"}'], None, None) == (1.0, True)
-    assert task.grade(row, None, ['{"code": "print(716 - 997 - 85)"}'], None, None) == (0.0, False)
+    # a miscopy earns the longest run of the expression it holds ("716 - 997 - 8": 13 of 15 characters)
+    assert task.grade(row, None, ['{"code": "print(716 - 997 - 85)"}'], None, None) == (13 / 15, False)
+    assert task.grade(row, None, ["<answer>\\boxed{42}</answer>"], None, None) == (0.0, False)
     # the prompt is math_no_tool's: no tool offered
     assert task.prompt(row) == grading.load_task("tasks/math_no_tool.py").prompt(row)
     assert task.TOOLS == {}
