@@ -169,11 +169,10 @@ def as_throwaway_user(argv, timeout=300, background=False):
             pytest.skip(f"{path} is not open to other users")
     shut = {p: next((d for d in reversed(_parents(p)) if not os.stat(d).st_mode & 0o001), None) for p in paths}
     covered = {p: d for p, d in shut.items() if d}
-    # each path bound aside, a tmpfs over each shut directory (not one inside another: that one is gone), then
-    # each path bound back in
+    # each path bound aside, a tmpfs over each shut directory (the first on a path's way: never one inside
+    # another), then each path bound back in
     cover = "".join(f'mkdir /mnt/{i} && mount --bind "{p}" /mnt/{i} && ' for i, p in enumerate(covered))
-    cover += "".join(f'mount -t tmpfs -o mode=755 tmpfs "{d}" && ' for d in sorted(set(covered.values()))
-                     if not any(d.startswith(e + "/") for e in covered.values()))
+    cover += "".join(f'mount -t tmpfs -o mode=755 tmpfs "{d}" && ' for d in sorted(set(covered.values())))
     cover += "".join(f'mkdir -p "{p}" && mount --move /mnt/{i} "{p}" && ' for i, p in enumerate(covered))
     if cover:
         cover = "mount -t tmpfs tmpfs /mnt && " + cover
