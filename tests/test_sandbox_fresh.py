@@ -167,8 +167,9 @@ def as_throwaway_user(argv, timeout=300, background=False):
     for path in paths:
         if not os.stat(path).st_mode & 0o001:
             pytest.skip(f"{path} is not open to other users")
-    shut = {p: next((d for d in reversed(_parents(p)) if not os.stat(d).st_mode & 0o001), None) for p in paths}
-    covered = {p: d for p, d in shut.items() if d}
+    # each path that needs it -> the first directory on its way that others may not enter
+    covered = {p: d for p in paths
+               if (d := next((e for e in reversed(_parents(p)) if not os.stat(e).st_mode & 0o001), None))}
     # each path bound aside, a tmpfs over each shut directory (the first on a path's way: never one inside
     # another), then each path bound back in
     cover = "".join(f'mkdir /mnt/{i} && mount --bind "{p}" /mnt/{i} && ' for i, p in enumerate(covered))
