@@ -360,8 +360,12 @@ class Qwen(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids, attention_mask=None, targets=None, chunk_size=1024,
-                with_entropy=False, where=None, shared=None):
+                with_entropy=False, where=None, shared=None, temperature=1.0):
         """logits (B, T, V); or, with targets (B, T), fp32 log-probs (B, T) [, entropy] (see token_logprobs).
+
+        temperature, with targets: the log-probs (and entropy) of softmax(logits / temperature), the distribution
+        a sampler at that temperature draws from (rollout.Engine.sample), so an RL trainer's ratio and the
+        engine's log-probs are of one policy.
 
         shared, for right-padded rows on SDPA's path: (rows, counts), (B,) ints each: row b begins with the first
         counts[b] tokens of row rows[b] (whose own count is 0), which only that row runs through the layers; row
@@ -429,6 +433,8 @@ class Qwen(nn.Module):
             picked = picked if picked.numel() else picked.new_zeros(1)
             h = h[picked]
             tg = tg[picked]
+        # logits / temperature, as the hidden states divided before the output layer (1.0: the same numbers)
+        h = h / temperature
         # chunked head: each chunk's fp32 logits live only inside its checkpoint
         starts = range(0, len(h), chunk_size)
         # one list per chunk that its entropy goes into, once (see chunk_logprobs)
@@ -636,7 +642,7 @@ def token_logprobs(model, input_ids, targets, attention_mask=None, **kwargs):
     """(B, T) fp32 log p(targets[b, t] | logits at t) [, (B, T) entropy]; never holds the full fp32 logits.
 
     kwargs, Qwen.forward's: chunk_size=1024 (positions whose logits are held at once), with_entropy=False
-    (True: the entropy too), where=None.
+    (True: the entropy too), where=None, temperature=1.0 (those of softmax(logits / temperature)).
     where (B, T) bool, optional: compute them only there (the loss mask: the output layer, the largest
     matmul of a small model, then runs on the sampled tokens alone); 0 elsewhere, with no gradient.
     Targets outside the vocabulary below 0 (ignore_index) are read as token 0: mask them yourself.

@@ -81,7 +81,7 @@ score_truncated = False
 max_response_tokens = 256  # one budget for model + tool tokens (paper: 8K stage 1, 12K stages 2-3)
 max_prompt_tokens = 128  # longer prompts are skipped (and counted at start)
 max_turns = 10  # paper: 10 (stages 1-2), 15 (stage 3)
-temperature = 1.0  # sampling temperature of the rollouts (paper: 1.0)
+temperature = 1.0  # sampling temperature of the rollouts, > 0, and of the trainer's log-probs (paper: 1.0)
 top_p = 1.0  # nucleus sampling; 1.0 = off
 # decode steps: "eager", or at static shapes (model.Qwen.static_step) "static", "compile"
 #               (inductor) or "graphs" (inductor's CUDA graphs on a GPU: not yet run on one)
@@ -164,7 +164,7 @@ require(globals(),
         # the rollouts; a whole trajectory fits one micro-batch
         "max_response_tokens >= 1", "max_prompt_tokens + max_response_tokens <= max_tokens_per_micro",
         "max_turns >= 1", "max_calls_per_turn >= 1", "tool_max_chars >= 2",
-        "temperature >= 0", "0 < top_p <= 1",
+        "temperature > 0", "0 < top_p <= 1",
         # the optimisation and the loss
         "lr >= 0", "warmup_steps >= 0", "grad_clip > 0", "mini_batches >= 1",
         "0 <= eps_low < 1", "eps_high >= 0",
@@ -310,9 +310,11 @@ def micro_batch(kept, indices, advantages, tokens):
 
 def micro_logprobs(net, micro, **kwargs):
     """The log-probs (B, T) of a micro-batch's tokens under net (the policy, the reference), computed where the
-    loss reads them only (its mask: the output layer runs there alone), 0 elsewhere; kwargs: token_logprobs'."""
+    loss reads them only (its mask: the output layer runs there alone), 0 elsewhere; kwargs: token_logprobs'.
+    At the rollouts' temperature: the engine sampled from softmax(logits / temperature), and the ratio, the KL to
+    the reference and the engine-vs-trainer gap are all of that distribution (verl's actor divides the same way)."""
     return token_logprobs(net, micro["ids"], micro["tgt"], micro["seg"], where=micro["mask"].bool(),
-                          shared=micro.get("shared"), **kwargs)
+                          shared=micro.get("shared"), temperature=temperature, **kwargs)
 
 
 def dump_step(step, mine, groups):

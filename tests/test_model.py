@@ -163,8 +163,8 @@ def test_token_logprobs_values_entropy_and_grad(pair):
     targets = torch.roll(ids, -1, dims=1)
     w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(4)) * mask  # arbitrary per-token weights
 
-    def naive():
-        logp = F.log_softmax(ours(ids, mask).float(), -1)
+    def naive(temperature=1.0):
+        logp = F.log_softmax(ours(ids, mask).float() / temperature, -1)
         return logp.gather(-1, targets[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
     ours.zero_grad()
@@ -194,6 +194,18 @@ def test_token_logprobs_values_entropy_and_grad(pair):
     lp, ent = token_logprobs(ours, ids, targets, mask, chunk_size=5, with_entropy=True, where=where)
     assert (lp[where] - ref_lp[where]).abs().max() < 1e-4 and (ent[where] - ref_ent[where]).abs().max() < 1e-4
     assert not lp[~where].any() and not ent[~where].any()
+    (lp * w).sum().backward()
+    for n, p in ours.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
+    # at a sampling temperature: the log-probs, entropy and gradients of softmax(logits / temperature)
+    ours.zero_grad()
+    ref_lp, ref_ent = naive(0.7)
+    (ref_lp * w * where).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad()
+    lp, ent = token_logprobs(ours, ids, targets, mask, chunk_size=5, with_entropy=True, where=where,
+                             temperature=0.7)
+    assert (lp[where] - ref_lp[where]).abs().max() < 1e-4 and (ent[where] - ref_ent[where]).abs().max() < 1e-4
     (lp * w).sum().backward()
     for n, p in ours.named_parameters():
         assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n

@@ -110,8 +110,10 @@ def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
         "def gap(logprobs, engine_logprobs, mask, **_):\n"
         "    return (logprobs - engine_logprobs).abs()\n")
     mine = tmp_path / "my_ideas.py"
+    # (at a temperature other than 1: the engine samples from softmax(logits / T), and so must the trainer's
+    # log-probs be, or the gap below is ~0.5 where the weights are the same)
     rl(sft, tmp_path / "r", "--steps=2", "--dump_every=1", f"--adv_scale={mine}:rloo", f"--task={sft}/varied.py",
-       f"--loss_terms=[('{mine}:gap', 0.01)]")
+       f"--loss_terms=[('{mine}:gap', 0.01)]", "--temperature=0.7")
     # the estimator: each kept trajectory's advantage is its reward minus the mean of its group's other kept
     for step in (1, 2):
         kept = [r for r in dumped(tmp_path / "r", step) if r["kept"]]
@@ -125,6 +127,7 @@ def test_a_users_estimator_and_loss_term_from_its_own_file(sft, tmp_path):
     assert any(m["roc/kept"] for m in metrics)
     for m in metrics:
         assert m["loss/gap"] == pytest.approx(m["mismatch/abs_mean"], rel=1e-4)
+        assert m["mismatch/abs_mean"] < 1e-4  # the engine's weights are the trainer's, in fp32
         assert "loss/kl" not in m
         assert (m["loss/gap"] > 0) == (m["roc/kept"] > 0) and m["time/reference"] == 0.0
 
