@@ -158,9 +158,11 @@ wandb_project = ""  # "" = no wandb (metrics.jsonl is always written)
 cfg = configure(globals())
 # the ranges of the settings: one outside stops the run here, naming it, not after a step's rollouts
 require(globals(),
-        # the groups: RoC samples 2G and keeps G; plain GRPO samples G and needs two for a baseline
-        "prompts_per_step >= 1", "keep_per_prompt >= 1", "roc or keep_per_prompt >= 2",
-        "not roc or samples_per_prompt == 2 * keep_per_prompt",
+        # the groups: RoC samples 2G and keeps G; either way the G kept need two for a baseline. The released
+        # RoC rule (roc_mode "deterministic") splits every group's 2G into G for even G >= 4 (and G = 5)
+        "prompts_per_step >= 1", "keep_per_prompt >= 2", "not roc or samples_per_prompt == 2 * keep_per_prompt",
+        "not roc or roc_mode == 'sample' or roc_mode == 'deterministic'"
+        " and (keep_per_prompt % 2 == 0 and keep_per_prompt >= 4 or keep_per_prompt == 5)",
         # the rollouts; a whole trajectory fits one micro-batch
         "max_response_tokens >= 1", "max_prompt_tokens + max_response_tokens <= max_tokens_per_micro",
         "max_turns >= 1", "max_calls_per_turn >= 1", "tool_max_chars >= 2",

@@ -43,7 +43,9 @@ def test_a_value_outside_its_range_names_the_rule_and_its_keys(capsys):
     g = configure(defaults(), ["--steps=0", "--lr=1e-5"])
     require(g, "steps >= 0", "0 <= lr < 1")  # all hold: nothing happens
     for rule, says in [("steps >= 1", "need steps >= 1, got steps = 0"),
-                       ("not roc or steps > lr", "need not roc or steps > lr, got roc = True, steps = 0, lr = 1e-05")]:
+                       ("not roc or steps > lr", "need not roc or steps > lr, got roc = True, steps = 0, lr = 1e-05"),
+                       # a quoted value's words are not keys, even where a key has that name
+                       ("roc == 'steps'", "need roc == 'steps', got roc = True")]:
         with pytest.raises(SystemExit) as e:
             require(g, "lr >= 0", rule)
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [f"config error: {says}"]

@@ -44,9 +44,9 @@ PAGES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "rl")
 TIMEOUT = 120  # seconds a command may take here; each takes 0.1-6 s on a busy 2-core box
 
-# one RL step on 2 prompts x 2 samples, 32-token responses: the run's whole path (rollouts, grades,
-# RoC, the update, a checkpoint) at the least work
-RL_STEP = ["--steps=1", "--prompts_per_step=2", "--samples_per_prompt=2", "--keep_per_prompt=1",
+# one RL step on 2 prompts x 4 samples, 32-token responses: the run's whole path (rollouts, grades,
+# RoC, the update, a checkpoint) at the least work (RoC keeps G = 2 of 2G: a baseline needs two)
+RL_STEP = ["--steps=1", "--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
            "--max_response_tokens=32", "--tool_workers=1"]
 # each kind of command (its script, and data.py's subcommand) and the overrides that shrink it
 TOY = {
