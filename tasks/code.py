@@ -13,7 +13,8 @@ Safe from the solution: the solution's own code cannot make a test pass that it 
 - in that call the solution is exec'd in a namespace of its own, after the harness took its own references to
   json.dumps and stdout: redefining `type`, `json.dumps` or `print` changes nothing the harness uses;
 - above all, the expected result is never in the sandbox: the call prints the solution's result as JSON, and the
-  comparison with the expected JSON happens here, in the trainer, on strings. An object with an `__eq__`
+  comparison with the expected JSON happens here, in the trainer, on strings (both written with their keys
+  sorted: an object's key order is not part of its value). An object with an `__eq__`
   that always says yes is not JSON (the call fails); a solution that prints lines of its own cannot know the
   value to print; the result is read from the last line of stdout, written last by the harness. Whatever the
   solution patches (even the harness's frame), passing a test means producing its expected value.
@@ -40,7 +41,7 @@ import json as _json, sys as _sys
 _dumps, _out = _json.dumps, _sys.__stdout__
 _namespace = {"__name__": "solution"}
 exec(compile(SOLUTION, "solution.py", "exec"), _namespace)
-_result = _dumps(_namespace[ENTRY](*ARGS))
+_result = _dumps(_namespace[ENTRY](*ARGS), sort_keys=True)
 _sys.stdout.flush()
 _out.write("\\n" + _result + "\\n")
 """
@@ -72,7 +73,7 @@ def grade(row, pred, turns, grader, trajectory):
     for call, (_, expected) in zip(calls, tests):
         result = call.result()
         lines = result.stdout.splitlines()
-        passed += result.status == "ok" and bool(lines) and lines[-1] == json.dumps(expected)
+        passed += result.status == "ok" and bool(lines) and lines[-1] == json.dumps(expected, sort_keys=True)
     return passed / len(tests), passed == len(tests)
 
 

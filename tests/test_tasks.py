@@ -41,8 +41,8 @@ def pool():
         yield p
 
 
-def grades(task, texts, pool):
-    g = grading.Grader(CHARS, task=task, rows=[ROW], sandbox=pool, timeout=5.0)
+def grades(task, texts, pool, row=ROW):
+    g = grading.Grader(CHARS, task=task, rows=[row], sandbox=pool, timeout=5.0)
     for i, text in enumerate(texts):
         g(trajectory(text, key=i))
     out = g.results()
@@ -61,6 +61,11 @@ def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
     (math_right, math_half), _ = grades(MATH, [right, half], pool)
     assert math_right.reward == math_half.reward == 1.0
     assert CODE.prompt(ROW).count(ROW["question"]) == 1 and "tests" not in CODE.prompt(ROW)  # hidden
+    # a JSON value is compared, not its text: an object's keys in another order pass, another value fails
+    pairs = {**ROW, "tests": [[[1], {"a": 1, "b": [2, 3]}]]}
+    other_order = solution("def f(x):\n    return {'b': [2, 3], 'a': x}")
+    other_value = solution("def f(x):\n    return {'b': [3, 2], 'a': x}")
+    assert [g.reward for g in grades(CODE, [other_order, other_value], pool, pairs)[0]] == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("name, code", [
