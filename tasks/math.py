@@ -67,9 +67,6 @@ _RELATION_RE = re.compile(
     # Unicode's arrows and relation characters (→ ⇒ ↦ ∈ ∝ ∼ ≈ ≡ ≟ ⊂ ⊢ ＝ ...)
     "|[\u2190-\u21ff\u27f0-\u27ff\u2900-\u297f\u2208-\u220d\u221d\u2223-\u2226\u2234-\u2237"
     "\u2239-\u2263\u2282-\u228b\u22a2-\u22af\u22cd\u2a74-\u2a76\ufe66\uff1d\uff5e])"
-    # and only outside braces: a } that comes before any { means the relation is inside a group
-    # (\lim_{x \to 0} f(x) = 1 and \sum_{k=1}^{7} k = 28 each relate two sides, at their =)
-    r"(?![^{]*\})"
 )
 
 
@@ -77,12 +74,12 @@ def prompt(row: dict) -> str:
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
-def predict(turns: list) -> str | None:
+# the contract's two functions (the docstring above has their arguments and results)
+def predict(turns):
     return agent.extract_answer(turns)
 
 
-def grade(row: dict, pred: str | None, turns: list, grader: "grading.Grader",
-          trajectory: "rollout.Trajectory") -> tuple[float, bool]:
+def grade(row, pred, turns, grader, trajectory):
     score = reward(turns, row["answer"], grader)  # 1.0 or 0.0
     return score, score == 1.0
 
@@ -155,7 +152,11 @@ def verify(gold, pred):
     parsed = [box(gold), box(pred)]  # each a list: [] when math-verify finds nothing to parse
     if not (all(parsed) and math_verify(*parsed, timeout_seconds=None)):
         return False
-    sides = [box(side) for side in _RELATION_RE.split(pred)]
+    # its sides: the pieces between its relations that close as many brackets as they open. The others hold
+    # part of a group around a relation, a subscript or an argument (\lim_{x \to 0} f(x) = 1, P(X = 2) =
+    # \frac14, \left. f'(x) \right|_{x=1} = 3, \sum_{k=1}^{7} k = 28): not sides of the answer
+    sides = [box(side) for side in _RELATION_RE.split(pred)
+             if sum(map(side.count, "([{")) == sum(map(side.count, ")]}"))]
     numbers = [side for side in sides if side and isinstance(side[0], sympy.Expr)
                and sympy.simplify(side[0]).is_number]
     return all(math_verify(numbers[0], side, timeout_seconds=None) for side in numbers[1:])

@@ -239,9 +239,14 @@ def test_every_relation_math_verify_reads_one_side_of_is_a_hedge(grader):
         assert MATH.reward(boxed(answer), "7", grader) == 1.0, answer
     for hedge in ["8 = 7 + 0 \\cdot x", "8 = 7 + x - x", "8 \\to 7 + 0 \\cdot y"]:
         assert MATH.reward(boxed(hedge), "7", grader) == 0.0, hedge
-    # a relation inside braces is not one of the answer's: the limit's arrow, the sum's index
-    assert MATH.reward(boxed("\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1"), "1", grader) == 1.0
-    assert MATH.reward(boxed("\\sum_{k=1}^{7} k = 28"), "28", grader) == 1.0
+    # a relation inside brackets is not one of the answer's: the limit's arrow, the sum's index, an evaluation
+    # point, a probability's event (math-verify alone pays each: the answer's own = is the last)
+    for answer, gold in [("\\lim_{x \\to 0} \\frac{\\sin x}{x} = 1", "1"), ("\\sum_{k=1}^{7} k = 28", "28"),
+                         ("\\lim_{x \\to \\frac{\\pi}{2}} \\sin x = 1", "1"), ("\\lim_{x \\to 2^-} f(x) = 5", "5"),
+                         ("\\left. f'(x) \\right|_{x=\\frac{1}{2}} = 3", "3"), ("P(X = 2) = \\frac{1}{4}", "\\frac{1}{4}")]:
+        assert MATH.reward(boxed(answer), gold, grader) == 1.0, answer
+    # and a hedge beside them is still one
+    assert MATH.reward(boxed("P(X = 2) = \\frac{1}{4} = \\frac{1}{3}"), "\\frac{1}{4}", grader) == 0.0
     # the orderings math-verify reads whole are not split: 0 < x < 7 is an interval
     assert MATH.reward(boxed("x \\in [0, 7]"), "[0, 7]", grader) == 1.0
 
