@@ -547,7 +547,9 @@ class Engine:
             # inverse-CDF sampling: one uniform draw per row (B,), from the row's own generator (on the CPU)
             cdf = probs.cumsum(-1)
             uniform = torch.cat([torch.rand(1, generator=row.gen) for row in rows]).to(self.device)
-            tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None])  # (B, 1)
+            # a draw of exactly 0 (one in 2^24 of torch.rand's) would find token 0 whatever its probability;
+            # above 0 (1e-30 is, in the float32 cdf) it finds the first token that has one. (B, 1)
+            tokens = torch.searchsorted(cdf, (uniform * cdf[:, -1]).clamp(min=1e-30)[:, None])
             # a draw past the last cumulative value (rounding) takes the last token
             tokens.clamp_(max=probs.shape[-1] - 1)
         return tokens[:, 0].tolist(), logprobs.gather(1, tokens)[:, 0].tolist()

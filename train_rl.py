@@ -160,7 +160,8 @@ cfg = configure(globals())
 require(globals(),
         # the groups: RoC samples 2G and keeps G; either way the G kept need two for a baseline. The released
         # RoC rule (roc_mode "deterministic") splits every group's 2G into G for even G >= 4 (and G = 5)
-        "prompts_per_step >= 1", "keep_per_prompt >= 2", "not roc or samples_per_prompt == 2 * keep_per_prompt",
+        "prompts_per_step >= 1", "keep_per_prompt >= 2",
+        "not roc or samples_per_prompt == 2 * keep_per_prompt",
         "not roc or roc_mode == 'sample' or roc_mode == 'deterministic'"
         " and (keep_per_prompt % 2 == 0 and keep_per_prompt >= 4 or keep_per_prompt == 5)",
         # the rollouts; a whole trajectory fits one micro-batch

@@ -73,7 +73,8 @@ def grade(row, pred, turns, grader, trajectory):
     for call, (_, expected) in zip(calls, tests):
         result = call.result()
         lines = result.stdout.splitlines()
-        passed += result.status == "ok" and bool(lines) and lines[-1] == json.dumps(expected, sort_keys=True)
+        expected_text = json.dumps(expected, sort_keys=True)
+        passed += result.status == "ok" and bool(lines) and lines[-1] == expected_text
     return passed / len(tests), passed == len(tests)
 
 

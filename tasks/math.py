@@ -70,7 +70,7 @@ _RELATION_RE = re.compile(
 )
 
 
-def prompt(row: dict) -> str:
+def prompt(row):
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
@@ -122,7 +122,7 @@ def reward(response, gold, grader=None):
         return 1.0
     pred_int = grading.plain_int(pred)
     gold_int = grading.plain_int(gold)
-    if pred_int is not None and gold_int is not None:  # integer vs integer needs no sympy
+    if None not in (pred_int, gold_int):  # integer vs integer needs no sympy
         return float(pred_int == gold_int)
     return float(grader.run_in_helper(verify, gold, pred) is True)
 

@@ -224,6 +224,18 @@ def test_tokens_as_recorded_before_paging(tiny):
         assert got == recorded[name]
 
 
+def test_a_draw_of_zero_never_takes_a_token_of_probability_zero(monkeypatch):
+    # torch.rand gives exactly 0.0 about once in 2^24 draws (a few times in an RL run's 10^8-10^9 tokens):
+    # inverse-CDF sampling then found token 0, here impossible (logit -inf), or outside top-p's nucleus
+    logits = torch.tensor([float("-inf"), 0.0, 1.0, -30.0])
+    monkeypatch.setattr(torch, "rand", lambda *shape, generator=None: torch.zeros(shape))
+    for top_p in (1.0, 0.5):
+        engine = types.SimpleNamespace(top_p=top_p, device="cpu")
+        rows = [types.SimpleNamespace(logits=logits, gen=None) for _ in range(2)]
+        tokens, logprobs = Engine.sample(engine, rows, 1.0)
+        assert tokens == [1 if top_p == 1.0 else 2] * 2 and all(lp > -30 for lp in logprobs), (top_p, tokens)
+
+
 class ForcedTurns(torch.nn.Module):
     """The tiny model with forced turn boundaries, decided from each row's whole context, so a row that
     is prefilled again after preemption is forced exactly as before. Turn j (counted by <|im_start|>
