@@ -410,7 +410,7 @@ class Engine:
                 # appended
                 todo = []
                 # the rows parked on their tool calls (or an environment's reply), and their calls still
-                # out (step 5 waits on those too when no row decodes)
+                # out (step 7 waits on those too when no row decodes)
                 parked = [row for row in rows.values() if row.state == PARKED]
                 futures = [future for row in parked for future in row.waits()]
                 if self.deterministic:
@@ -429,25 +429,14 @@ class Engine:
                 todo = self.pager.fit(todo, rows)
                 if todo:
                     self.prefill(todo)
-                # 5. sample one token for every row that has logits, then one batched decode step
+                # 5. sample one token for every row that has logits
                 ready = [row for row in rows.values() if row.logits is not None]
                 if ready:
                     for row, token, logprob in zip(ready, *self.sample(ready, temperature)):
                         self.step_row(row, token, logprob, sandbox)
-                    # rows preempted since their last forward sample too, but decode only after re-admission
-                    going = [Feed(row, row.pending) for row in ready
-                             if row.state == DECODE and not row.traj.finish]
-                    going = sorted(self.pager.fit(going, rows), key=lambda item: item.row.slot)
-                    if going:
-                        self.decode([item.row for item in going])
-                elif futures:
-                    # nothing to decode: wait for the first tool answer
-                    wait_start = time.perf_counter()
-                    concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
-                    self.stats["tool_wait_s"] += time.perf_counter() - wait_start
-                # 6. free the rows that finished: their pages and their slot
-                finished = [row for row in rows.values() if row.traj.finish]
-                for row in finished:
+                # 6. free the rows that finished: their pages and their slot. Before the decode step takes
+                # pages, which in a full pool would preempt a live row for pages about to come free
+                for row in [row for row in rows.values() if row.traj.finish]:
                     del rows[row.slot]
                     self.pager.finished(row)
                     free.append(row.slot)
@@ -458,6 +447,18 @@ class Engine:
                         done.append(row.traj)
                     if on_finish is not None:
                         on_finish(row.traj)
+                # 7. one batched decode step; rows preempted since their last forward sampled too, but decode
+                # only after re-admission
+                going = [Feed(row, row.pending) for row in ready
+                         if row.state == DECODE and not row.traj.finish]
+                going = sorted(self.pager.fit(going, rows), key=lambda item: item.row.slot)
+                if going:
+                    self.decode([item.row for item in going])
+                elif not ready and futures:
+                    # nothing to decode: wait for the first tool answer
+                    wait_start = time.perf_counter()
+                    concurrent.futures.wait(futures, timeout=0.05, return_when="FIRST_COMPLETED")
+                    self.stats["tool_wait_s"] += time.perf_counter() - wait_start
         finally:
             # the rows still running when the step raised end here too: their environments are closed
             for row in rows.values():

@@ -224,6 +224,42 @@ def test_tokens_as_recorded_before_paging(tiny):
         assert got == recorded[name]
 
 
+def test_a_row_that_finishes_gives_its_pages_back_before_the_decode_step_takes_pages(tiny):
+    # two rows in a pool of 16 pages of 4 tokens: row 0 ends (<|im_end|>) at the very step row 1 needs its 9th
+    # page. The decode step's pages came before the finished row's were freed, so a full pool preempted row 1
+    # (and prefilled its 32 tokens again) for pages about to come free; now it decodes on, as in a pool twice
+    # the size, with the same tokens
+    path, tok, _ = tiny
+    model = load_model(path)
+    end, stops = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+
+    class EndsAt(torch.nn.Module):  # no stop token, but row 0 (its prompt starts with 101) ends at 32 tokens
+        def __init__(self):
+            super().__init__()
+            self.model, self.cfg, self.first = model, model.cfg, {}  # first: each row's first prompt token
+
+        def forward_cached(self, ids, cache, rows, last_only=False, n_new=None):
+            rows = torch.as_tensor(rows).tolist()
+            for b, r in enumerate(rows):
+                if cache.lengths[r] == 0:
+                    self.first[r] = int(ids[b, 0])
+            out = self.model.forward_cached(ids, cache, rows, last_only, n_new)
+            out[:, -1, stops] = float("-inf")
+            for b, r in enumerate(rows):
+                if self.first[r] == 101 and int(cache.lengths[r]) == 32:
+                    out[b, -1, end] = float("inf")
+            return out
+
+    prompts = [[101] + list(range(200, 207)), [102] + list(range(300, 307))]  # 2 pages each
+    runs = []
+    for kv in (64, 128):
+        engine = Engine(EndsAt(), tok, kv_capacity=kv, max_len=64, temperature=0.0, page_size=4, reserve=0.0,
+                        max_rows=2)
+        trajs = engine.run(iter_claim([Request(p, key=(0, i, 0)) for i, p in enumerate(prompts)]), 40)
+        runs.append(([t.response_ids for t in sorted(trajs, key=lambda t: t.key)], engine.stats["preemptions"]))
+    assert runs[0] == runs[1] and runs[0][1] == 0 and len(runs[0][0][0]) == 25, runs
+
+
 def test_a_draw_of_zero_never_takes_a_token_of_probability_zero(monkeypatch):
     # torch.rand gives exactly 0.0 about once in 2^24 draws (a few times in an RL run's 10^8-10^9 tokens):
     # inverse-CDF sampling then found token 0, here impossible (logit -inf), or outside top-p's nucleus
