@@ -60,9 +60,9 @@ def require(g, *rules):
     minutes into a 64-GPU run) stops it before anything starts."""
     for rule in rules:
         if not eval(rule, g):
-            # the keys the rule names, in order, each once (not words inside its quoted values)
-            keys = [key for key in dict.fromkeys(re.findall(r"[A-Za-z_]\w*", re.sub(r"'[^']*'", "", rule)))
-                    if key in g]
+            # the keys the rule names, in order, each once: its names, not the words of its quoted values (a
+            # quoted value matches the pattern's first branch, whose group 1 is then empty, and no key)
+            keys = [key for key in dict.fromkeys(re.findall(r"'[^']*'|([A-Za-z_]\w*)", rule)) if key in g]
             fail(f"need {rule}, got " + ", ".join(f"{key} = {g[key]!r}" for key in keys))
 
 

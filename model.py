@@ -433,8 +433,9 @@ class Qwen(nn.Module):
             picked = picked if picked.numel() else picked.new_zeros(1)
             h = h[picked]
             tg = tg[picked]
-        # logits / temperature, as the hidden states divided before the output layer (1.0: the same numbers)
-        h = h / temperature
+        # logits / temperature, as the hidden states divided before the output layer (at 1, nothing to do)
+        if temperature != 1:
+            h = h / temperature
         # chunked head: each chunk's fp32 logits live only inside its checkpoint
         starts = range(0, len(h), chunk_size)
         # one list per chunk that its entropy goes into, once (see chunk_logprobs)
