@@ -29,7 +29,8 @@ Metrics (summary.json, summary.md, printed):
   maj@k          majority vote over the k extracted answers: answers are normalised by removing all
                  whitespace (and leading zeros / '+' of plain integers), then the most frequent wins;
                  a tie goes to the answer sampled first among the tied ones; samples without a
-                 (non-empty) answer do not vote. The vote is correct if the first sample with the
+                 (non-empty) answer do not vote, nor do those cut by the budget (they score 0; with
+                 --score_truncated they are graded and vote). The vote is correct if the first sample with the
                  winning answer is correct. The answers are the task's predictions (task.predict), or what
                  the row's task's vote(row, pred, trajectory) returns when it has one (a hashable key;
                  None: no vote; it runs with the grade, under its bounds): tasks/code.py votes on

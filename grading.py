@@ -200,21 +200,23 @@ class Grader:
 
     def grade(self, trajectory, row):
         """One trajectory's Grade, in the calling thread, by the row's task. Read from the sampled turns
-        only; a trajectory cut by the budget gets reward 0, not correct, without grade(). Its vote is
-        what maj@k groups it by: the pred, unless the task has vote(row, pred, trajectory) (tasks/code.py:
-        the program, not its text)."""
+        only; a trajectory cut by the budget gets reward 0, not correct, without grade(), and no vote. Its
+        vote is what maj@k groups it by: the pred, unless the task has vote(row, pred, trajectory)
+        (tasks/code.py: the program, not its text)."""
         task = row_task(row, self.task)
         turns = sampled_turns(self.tok, trajectory.response_ids, trajectory.mask)
         pred = task.predict(turns)
         reward = 0.0
         correct = False
+        # a trajectory cut by the budget is not graded, and its answer does not vote in maj@k either
+        key = None
         if trajectory.finish != "length" or self.score_truncated:
             reward, correct = task.grade(row, pred, turns, self, trajectory)
+            vote = getattr(task, "vote", None)
+            key = vote(row, pred, trajectory) if vote else pred
         if not 0.0 <= reward <= 1.0:
             raise ValueError(f"a task's reward must lie in [0, 1], got {reward!r}")
-        vote = getattr(task, "vote", None)
-        return Grade(float(reward), bool(correct), count_answers(turns), pred,
-                     vote(row, pred, trajectory) if vote else pred)
+        return Grade(float(reward), bool(correct), count_answers(turns), pred, key)
 
     def refuses(self, text):
         """True, counted as refused, when text is too big to hand to a parser: longer than MAX_ANSWER_CHARS

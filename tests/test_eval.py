@@ -95,6 +95,32 @@ def test_evaluate_groups_maj_at_k_by_the_tasks_vote(monkeypatch):
     assert ev.majority_vote(preds) == 0
 
 
+def test_a_sample_cut_by_the_budget_does_not_vote(monkeypatch):
+    # sample 0 wrote the right answer and rambled on until the budget cut it: it scores 0, so its answer
+    # must not win maj@k for the samples that answered the same and were graded right
+    import types
+    texts = ["<reason>r</reason><answer>\\boxed{5}</answer> and so on",
+             "<reason>r</reason><answer>\\boxed{5}</answer>", "<reason>r</reason><answer>\\boxed{5}</answer>",
+             "<reason>r</reason><answer>\\boxed{7}</answer>"]
+
+    def fake_generate(engine, requests, budget, mode, on_finish, counter, keep):
+        for j in range(len(requests)):
+            sample = requests[j].key[2]
+            on_finish(Trajectory(key=requests[j].key, prompt_ids=[1], response_ids=[sample], mask=[1],
+                                 finish="length" if sample == 0 else "stop", turns=1, meta=requests[j].meta))
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    tok = types.SimpleNamespace(decode=lambda ids: texts[ids[0]])
+    row = {"question": "q", "answer": "5"}
+    summary, per = ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [row], 4, 10, prompt_ids=[[1]],
+                               task=math_task)
+    assert summary["avg@k"] == 0.5 and per[0]["preds"] == ["5", "5", "5", "7"]
+    assert summary["maj@k"] == 1.0 and per[0]["maj_answer"] == "5"
+    # graded anyway (score_truncated, the released code's rule): it is right and votes
+    summary, _ = ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [row], 4, 10, prompt_ids=[[1]],
+                             task=math_task, score_truncated=True)
+    assert summary["avg@k"] == 0.75 and summary["maj@k"] == 1.0
+
+
 # ----------------------------------------------------------------------------- metrics on crafted trajectories
 
 def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
