@@ -162,8 +162,8 @@ def run_python(args, sandbox):
     # arguments that are not an object: .get raises
     code = args.get("code", "")
     stdin = args.get("input", "")
-    if not isinstance(code, str):  # the client base64-encodes code.encode()
-        raise AttributeError(f"'{type(code).__name__}' object has no attribute 'encode'")
+    # the client base64-encodes code.encode(): what it cannot encode (not a string, a lone surrogate) raises
+    code.encode()
     # code-judge answers 422, the client gives up
     if stdin is not None and not isinstance(stdin, str):
         raise RuntimeError(OVERLOADED[len(EXEC_ERROR):])

@@ -230,6 +230,9 @@ def test_parse_tool_calls():
         args([1]): "Error when executing tool: 'list' object has no attribute 'get'",
         args({"code": 5}): "Error when executing tool: 'int' object has no attribute 'encode'",
         args({"code": None}): "Error when executing tool: 'NoneType' object has no attribute 'encode'",
+        # a lone surrogate (a JSON escape) cannot be encoded: the client raises, nothing runs
+        args({"code": "print('\ud800')"}): "Error when executing tool: 'utf-8' codec can't encode character "
+                                           "'\\ud800' in position 7: surrogates not allowed",
         args({"code": "1", "input": 3}): RETRIES,  # code-judge refuses the request (422) until the client gives up
     }
     for text, want in answers.items():
