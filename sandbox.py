@@ -565,7 +565,9 @@ def _needs_rich(code):
         return False
     try:
         tree = ast.parse(code)
-    except (SyntaxError, ValueError):
+    # (a SyntaxError, a ValueError for a NUL, a RecursionError or MemoryError for code nested too deep for the
+    # parser, e.g. a sum of 5,000 terms: never an exception of submit())
+    except Exception:
         return False  # it fails at once either way
     for node in ast.walk(tree):
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else

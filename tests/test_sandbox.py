@@ -663,6 +663,18 @@ def test_bad_call_arguments(pool):
         pool.map([("print(1)", None)])
 
 
+def test_code_too_deep_for_the_parser_is_answered(pool):
+    # the pool parses code that imports to pick its worker: code too deep for the parser (a sum of
+    # 10,000 terms; 100,000 nested minus signs) is the call's error, answered as one, never an
+    # exception of submit()
+    long_sum = "import math\nprint(" + "+".join(["1"] * 10_000) + ")"
+    nested_minus = "import math\nprint(" + "-" * 100_000 + "1)"
+    results = pool.map([long_sum, nested_minus])
+    # (the parser's MemoryError reaches the top level: `memory`, by the status rules)
+    assert [r.status for r in results] == ["error", "memory"], results
+    assert "RecursionError" in results[0].stderr and "MemoryError" in results[1].stderr, results
+
+
 # ------------------------------------------------------------------------------------------------
 # soak: 3,000 calls at concurrency 256, 90% honest with known outputs, 10% hostile
 
