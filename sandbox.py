@@ -45,7 +45,7 @@ Knobs (keyword arguments; the training configs set them):
     workers        slots, each running one call at a time in its lean or rich worker (default: the node's CPU
                    cores shared by the ranks on it, os.cpu_count() // LOCAL_WORLD_SIZE)
     timeout        wall-clock seconds per call (default 4: rStar's README starts code-judge with
-                   MAX_EXECUTION_TIME=4); run() can override it
+                   MAX_EXECUTION_TIME=4; at most MAX_TIMEOUT, a day); run() can override it
     memory         the memory of one call, capped twice: (1) where the pool may make cgroups (cgroup v1's memory
                    and pids hierarchies, writable as root; or, on cgroup v2, the pool's own group where it may
                    write it and it offers memory and pids: see _new_cgroup), all the memory of the call's processes, files, memfds and IPC
@@ -160,6 +160,10 @@ ISOLATIONS = ("auto", "bwrap", "none")
 # seconds past a call's timeout before its worker counts as wedged and is replaced
 GRACE = 2.0
 START_TIMEOUT = 120.0  # seconds for a worker to import and warm numpy + sympy (slow on a busy box)
+# the most seconds a call may be given: the pool's waits on a worker take at most ~24 days
+# (poll()'s int of milliseconds; a longer one raised OverflowError in the slot's thread, whose
+# calls then waited forever)
+MAX_TIMEOUT = 86400.0
 # worker capabilities when the pool runs as root: enough to mount each call's tmpfs, make its namespaces, drop it
 # to the slot's uid and pin its oom_score_adj (CAP_SYS_RESOURCE); the child itself keeps none of them
 ROOT_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_RESOURCE")
@@ -218,6 +222,8 @@ class SandboxPool:
                             ("memory", memory, 16 << 20), ("output_cap", output_cap, 1)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
                 raise ValueError(f"SandboxPool: {name} must be a number >= {lo}, got {v!r}")
+        if not timeout <= MAX_TIMEOUT:
+            raise ValueError(f"SandboxPool: timeout must be <= {MAX_TIMEOUT:g} s, got {timeout!r}")
         if isolation not in ISOLATIONS:
             raise ValueError(f"SandboxPool: isolation must be one of {ISOLATIONS}, got {isolation!r}")
         self.workers, self.timeout, self.memory = workers, float(timeout), int(memory)
@@ -314,8 +320,8 @@ class SandboxPool:
             if not isinstance(value, str):
                 raise TypeError(f"SandboxPool.run: {name} must be str, got {type(value).__name__}")
         timeout = self.timeout if timeout is None else float(timeout)
-        if not timeout > 0:
-            raise ValueError(f"SandboxPool.run: timeout must be > 0 seconds, got {timeout!r}")
+        if not 0 < timeout <= MAX_TIMEOUT:
+            raise ValueError(f"SandboxPool.run: timeout {timeout!r} not in (0, {MAX_TIMEOUT:g}]")
         if not self._running or self._closed:
             raise RuntimeError("SandboxPool is not running: use it inside `with` / `async with`, or call start()")
         line = (json.dumps({"code": code, "stdin": stdin, "timeout": timeout}) + "\n").encode()

@@ -649,6 +649,8 @@ def test_says_once_when_no_cgroup_caps_the_calls(monkeypatch, capfd):
 def test_bad_arguments():
     for kwargs, name in [({"isolation": "docker"}, "isolation"), ({"workers": 0}, "workers"),
                          ({"timeout": 0}, "timeout"), ({"memory": 1024}, "memory"), ({"output_cap": 0}, "output_cap"),
+                         # (the pool's waits on a worker overflowed poll(): a call never answered)
+                         ({"timeout": float("inf")}, "timeout"),
                          ({"queue_timeout": -1}, "queue_timeout")]:
         with pytest.raises(ValueError, match=name):
             SandboxPool(**kwargs)
@@ -661,6 +663,11 @@ def test_bad_call_arguments(pool):
         pool.map([(b"print(1)", "")])
     with pytest.raises(TypeError, match="stdin must be str"):
         pool.map([("print(1)", None)])
+    # a timeout past the pool's waits (poll() takes at most ~24 days) is refused: its slot's thread
+    # died of an OverflowError, and the call was never answered
+    with pytest.raises(ValueError, match="timeout"):
+        pool.submit("print(1)", timeout=1e9)
+    assert pool.map(["print(1)"] * 4)[-1].stdout == "1\n"
 
 
 def test_code_too_deep_for_the_parser_is_answered(pool):
