@@ -152,12 +152,6 @@ def _prepare_calls(cfg):
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # (and so each call's init has no handler at all)
     # a too-big file gets EFBIG (an error), not a kill
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    # the call's stdio: its child puts its pipes on fds 0-2 under these (still empty) wrappers, buffered as
-    # python3's own are on pipes (what a timeout or an error loses depends on it): stdout by blocks,
-    # stderr by lines
-    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", 1, encoding="utf-8", errors="backslashreplace", closefd=False)
     sys.argv = ["<string>"]
 
 
@@ -244,7 +238,7 @@ def _call(code, stdin, timeout, cfg, vm):
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init() if isolated else None
-    # the child inherits these wrappers: nothing of ours in them
+    # the child inherits our stdio wrappers (it makes its own): nothing of ours in them
     sys.stdout.flush(), sys.stderr.flush()
     t0 = time.monotonic()
     pid = os.fork()
@@ -372,7 +366,7 @@ def _collect(pid, fds, deadline, cfg):
 def _child(code, deadline, timeout, cfg, vm, fds):
     """The forked child: lock down, then run `code` as __main__, as the release's harness runs it
     (_run_as_release). Never returns into the worker.
-    (_prepare_calls did the rest once: environment, no_new_privs, signals, stdio wrappers, argv.)"""
+    (_prepare_calls did the rest once: environment, no_new_privs, signals, argv.)"""
     exit_code = 70
     try:
         # the call's own memory and pids cgroups (as root: the uid is still the worker's)
@@ -384,6 +378,16 @@ def _child(code, deadline, timeout, cfg, vm, fds):
             os.dup2(fd, i)
         # fds 0-3 were taken when the pipes were made, so no source was clobbered
         os.closerange(4, 1 << 16)
+        # the call's stdio, buffered as python3's own are on pipes (what a timeout or an error
+        # loses depends on it): stdout by blocks, stderr by lines. Made here, on the pipes: made
+        # on the worker's /dev/null, which can seek, a wrapper later asked the pipe its position
+        # and failed, OSError: Illegal seek (sys.stdout.reconfigure(), a TextIOWrapper over
+        # sys.stdout.buffer)
+        sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", errors="replace", closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", errors="backslashreplace",
+                                           closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", 1, encoding="utf-8", errors="backslashreplace",
+                                           closefd=False)
         # 1) a session and limits of its own; with a cgroup, pids.max counts its processes, so that no per-uid count
         # (kernel-wide: other pools, in other namespaces, may run as the same uid) decides anything
         os.setsid()
@@ -425,7 +429,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
         sys.modules["__main__"] = main
-        status, value, flush = "ok", None, (sys.stdout, sys.stderr)
+        status, value, stdout_kept = "ok", None, True
         signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-3))  # -> _deadline
         try:
             value = _run_as_release(code, main.__dict__)
@@ -443,7 +447,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
             # the harness prints its report and ends with os._exit(1): what print() left in stdout's buffer is lost
             # (only what was flushed stays)
             status = "memory" if isinstance(e.__cause__, MemoryError) else "error"
-            exit_code, flush = 1, (sys.stderr,)
+            exit_code, stdout_kept = 1, False
             try:
                 print(e, file=sys.stderr)
             except MemoryError:
@@ -452,11 +456,13 @@ def _child(code, deadline, timeout, cfg, vm, fds):
             # the harness prints a traceback (then os._exit(1)); python3 does the same for a KeyboardInterrupt and
             # the like (and then flushes stdout)
             status, exit_code = ("memory" if isinstance(e, MemoryError) else "error"), 1
-            flush = (sys.stderr,) if isinstance(e, Exception) else flush
+            stdout_kept = not isinstance(e, Exception)
             # from the code's frame on
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        for f in flush:
+        # what was printed: through the stdout and stderr the code left in sys (python3 flushes
+        # those at exit), then through the call's own stdout, were it set aside
+        for f in (sys.stdout, sys.stderr, sys.__stdout__) if stdout_kept else (sys.stderr,):
             with contextlib.suppress(BaseException):
                 f.flush()
         msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")

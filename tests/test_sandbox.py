@@ -274,6 +274,16 @@ HARNESS = [  # (name, code, stdin, status, stdout the harness gives, stderr the 
     # 5. SystemExit is not caught by the harness: python3 exits as usual, stdout flushed
     ("sys_exit", "import sys\nprint('out')\nsys.exit(2)", "", "error", "out\n", ""),
     ("sys_exit_message", "import sys\nsys.exit('no luck')", "", "error", "", "no luck\n"),
+    # 6. the code may set up stdout anew, as on python3's pipes: what it printed comes out at exit,
+    # through the stdout it left in sys first (here, before: an "Illegal seek" and lost output, the
+    # call's wrappers made on the worker's /dev/null and the one flushed at exit the call's own)
+    ("stdout_reconfigured", "import sys\nsys.stdout.reconfigure(encoding='utf-8')\nprint('é')",
+     "", "ok", "é\n", ""),
+    ("stdout_rewrapped", "import io, sys\n"
+     "sys.stdout = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8')\nprint('hello')",
+     "", "ok", "hello\n", ""),
+    ("stdout_set_aside", "import sys\nprint('a')\nsys.stdout = open(1, 'w', closefd=False)\n"
+     "print('b')", "", "ok", "b\na\n", ""),
 ]
 
 
