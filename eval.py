@@ -345,7 +345,12 @@ if __name__ == "__main__":
     model = load_model(model_path, device=device, dtype=getattr(torch, dtype))
     model.decode_mode = decode_mode
     max_len = max_prompt_tokens + max_response_tokens
-    rows = kv_rows(model, max_len, kv_capacity, limit=-(-len(problems) * samples // world))
+    # this rank's share of the rollouts: the most rows its engine holds at once (as in train_rl.py:
+    # with reserve="auto" an engine holding more takes rollouts from the ranks that would run them
+    # sooner; the first rank to claim took up to ~4x its share, leaving others idle), and the most
+    # rows of KV it needs
+    share = -(-len(problems) * samples // world)
+    rows = kv_rows(model, max_len, kv_capacity, limit=share)
     print0(f"eval: {len(problems)} problems × {samples} samples from {data_path} "
            f"| model {model_path} | T {temperature} top-p {top_p} | budget {max_response_tokens} "
            f"| turns {max_turns} | {world} rank(s) × {rows} rows")
@@ -369,7 +374,7 @@ if __name__ == "__main__":
                         tool_max_chars=tool_max_chars, deterministic=deterministic,
                         tools=task_module.TOOLS, call_timeout=tool_call_timeout or None,
                         # the promise per row follows what the finished rows used (docs/speed.md)
-                        reserve="auto")
+                        reserve="auto", max_rows=share)
         summary, per_problem = evaluate(engine, tokenizer, problems, samples, max_response_tokens,
                                         rollout_split, score_truncated=score_truncated,
                                         prompt_ids=prompt_ids,

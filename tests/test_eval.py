@@ -291,6 +291,48 @@ def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
     assert outputs(tmp_path / "d") == outputs(first_run[0])
 
 
+# eval.py run as a script, each rank's engine counting the trajectories it generates into
+# count.<rank>
+COUNTING_EVAL = '''import os, runpy, sys
+import rollout
+
+run = rollout.Engine.run
+made = []
+
+
+def counting(self, claim, budget, on_finish=None, **kwargs):
+    def finished(trajectory):
+        made.append(trajectory.key)
+        on_finish(trajectory)
+    return run(self, claim, budget, finished, **kwargs)
+
+
+rollout.Engine.run = counting
+sys.argv[0] = "eval.py"
+runpy.run_path("eval.py", run_name="__main__")
+with open(os.path.join(sys.argv[-1].partition("=")[2], "count." + os.environ["RANK"]), "w") as f:
+    f.write(str(len(made)))
+'''
+
+
+def test_script_under_torchrun_shares_the_rollouts_across_ranks(tiny, tmp_path):
+    # 3 problems x 8 samples on 2 ranks, 12 each. Long responses next to short prompts: a rank's
+    # KV (12 rows of prompt + budget) holds the promise (prompt + a quarter of the budget,
+    # reserve "auto") of all 24 rollouts, and the first rank to claim took every one of them,
+    # leaving the other idle, until each engine held at most its rank's share at once
+    # (train_rl.py's max_rows)
+    script = tmp_path / "counting_eval.py"
+    script.write_text(COUNTING_EVAL)
+    out = tmp_path / "e"
+    p = zygote.run([str(script), "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
+                    f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--samples=8",
+                    "--max_response_tokens=384", "--tool_workers=1", "--save_trajectories=false",
+                    f"--out_dir={out}"], timeout=300, ranks=2)
+    assert p.returncode == 0, p.stdout + p.stderr
+    made = [int((out / f"count.{rank}").read_text()) for rank in range(2)]
+    assert sum(made) == 24 and min(made) > 0, made
+
+
 def test_script_bad_input_is_named(tiny, tmp_path):
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
