@@ -96,9 +96,16 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left behind
         os.makedirs(tmp)
     barrier()
+    # an optimizer that has not stepped yet (every group of the steps so far dropped) has no
+    # state: torch makes one for the state dict by a step at lr 0, which Adam counts as its
+    # first (the next real step's bias correction then moved the weights x0.74 as far). It is
+    # saved as made, then dropped, here and on a load
+    stepped = bool(optimizer.state)
     dcp.save({"model": get_model_state_dict(model),
               "optimizer": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=f"{tmp}/state")
+    if not stepped:
+        optimizer.state.clear()
     if hf_dtype is not None:
         save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
     if rank0:
@@ -106,7 +113,8 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
             with open(f"{tmp}/config.json", "w") as f:
                 json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
         tokenizer.save_pretrained(tmp)
-        state = {**state, "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
+        state = {**state, "stepped": stepped,
+                 "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
                  "rng_torch": torch.get_rng_state()}
         torch.save(state, f"{tmp}/trainer_state.pt")
     barrier()
@@ -126,6 +134,9 @@ def load_trainer_state(path, model, optimizer):
     dcp.load(osd, checkpoint_id=f"{path}/state")
     set_optimizer_state_dict(model, optimizer, osd["optimizer"])
     state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
+    # saved before the optimizer's first step: its state was torch's placeholder (save_checkpoint)
+    if not state.get("stepped", True):
+        optimizer.state.clear()
     random.setstate(state["rng_python"])
     np.random.set_state(state["rng_numpy"])
     torch.set_rng_state(state["rng_torch"])

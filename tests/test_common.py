@@ -113,6 +113,26 @@ def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters()))
 
 
+def test_a_save_before_the_first_optimizer_step_changes_no_step(tmp_path):
+    # train_rl.py saves after a step whose groups were all dropped too: no optimizer step yet.
+    # torch's optimizer state dict of such an optimizer is made by a step at lr 0, which Adam
+    # counted as its first: the next real step's bias correction moved the weights x0.74 as far
+    # as a run that did not save (in the run resumed from the checkpoint as well)
+    model, opt = tiny(tmp_path)
+    unsaved = load_trainable(str(tmp_path / "base"), "cpu", torch.float32)
+    unsaved_opt = torch.optim.AdamW(unsaved.parameters(), lr=1e-2)
+    path = str(tmp_path / "run" / "step_000001")
+    save_checkpoint(path, model, opt, Tok(), {"step": 1, "cursor": 0})
+    resumed = load_trainable(path, "cpu", torch.float32)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_trainer_state(path, resumed, resumed_opt)
+    for net, optimizer in ((model, opt), (unsaved, unsaved_opt), (resumed, resumed_opt)):
+        torch.manual_seed(1)
+        train_step(net, optimizer)
+    for p, q, r in zip(unsaved.parameters(), model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r)
+
+
 def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     log = Logger(str(tmp_path))
     for step in range(1, 6):
