@@ -344,9 +344,11 @@ def dump_step(step, mine, groups):
         join_parts(path, world)
 
 
+# the rollouts of a prompt: 2G for RoC to choose G from; plain GRPO samples the G it keeps
+n_sample = samples_per_prompt if roc else keep_per_prompt
 # this rank's share of a step's rollouts: the most rows its engine holds at once (with reserve="auto" an engine
 # holding more would take rollouts from engines that would run them sooner), and the most rows of KV it needs
-rollouts_per_rank = -(-prompts_per_step * samples_per_prompt // world)
+rollouts_per_rank = -(-prompts_per_step * n_sample // world)
 n_rows = kv_rows(rollout_model, max_len, kv_capacity, kv_fraction, limit=rollouts_per_rank)
 # the task's rewards, off the decode loop
 grader = grading.Grader(tokenizer, score_truncated, task=task_module, rows=problems,
@@ -368,7 +370,6 @@ if start and rank == 0:
         if int(os.path.basename(path)[5:11]) > step:
             os.remove(path)
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)
-n_sample = samples_per_prompt if roc else keep_per_prompt
 print0(f"rl: {steps} steps × {prompts_per_step} prompts × {n_sample} samples, "
        f"{'RoC ' + roc_mode if roc else 'plain GRPO'}, {world} rank(s), "
        f"engine rows {engine.num_rows}")

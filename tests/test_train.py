@@ -93,6 +93,16 @@ def test_rl_resume_is_exact_and_two_ranks_match_one(sft, tmp_path):
         torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=1e-4)
 
 
+def test_plain_grpo_shares_its_rollouts_across_two_ranks(sft, tmp_path):
+    # --roc=false samples keep_per_prompt rollouts a prompt (16 a step here, 8 a rank), not
+    # samples_per_prompt: each rank's engine was sized to hold 16 at once, and the first rank to
+    # claim took every rollout of the step, leaving the other idle
+    rl(sft, tmp_path / "g", "--steps=2", "--roc=false", ranks=2)
+    metrics = [json.loads(line) for line in open(tmp_path / "g" / "metrics.jsonl")]
+    # rank 0's share of each step's 16 rollouts
+    assert all(0 < m["rollout/generated_here"] < 16 for m in metrics), metrics
+
+
 @pytest.mark.parametrize("overlay", ["configs/dr_grpo.py", "configs/gspo.py"])
 def test_the_other_losses_run_from_their_configs(sft, tmp_path, overlay):
     # save_every=0: one checkpoint, the last step's (it divided by zero before)
