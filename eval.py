@@ -59,6 +59,7 @@ this file runs nothing. Grading follows the training rule: answers are read from
 policy sampled only, and a trajectory cut by the budget scores 0 (--score_truncated=true: grade it anyway,
 as the released code does).
 """
+import itertools
 import json
 import math
 import os
@@ -73,6 +74,10 @@ import grading
 from rollout import Request
 from scheduler import (Lazy, dump_line, gather_summaries, generate, join_parts, rollout_metrics,
                        summarize)
+
+# evaluate()'s calls in this process: each claims from a counter of its own in the ranks' shared
+# store (a second call on the first's counter found it used up and generated nothing)
+calls = itertools.count()
 
 
 # -----------------------------------------------------------------------------
@@ -213,7 +218,7 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
         bar.update(1)
         let_go()
 
-    generate(engine, requests, budget, mode, on_finish, counter="eval", keep=False)
+    generate(engine, requests, budget, mode, on_finish, counter=f"eval/{next(calls)}", keep=False)
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
     summaries = gather_summaries(mine)

@@ -333,6 +333,45 @@ def test_script_under_torchrun_shares_the_rollouts_across_ranks(tiny, tmp_path):
     assert sum(made) == 24 and min(made) > 0, made
 
 
+# a user's script that imports evaluate() and calls it twice under torchrun (two checkpoints,
+# two sets)
+EVALUATE_TWICE = '''import json, sys
+import eval as ev
+import grading
+from common import compute_init, read_jsonl
+from model import load_model
+from rollout import Engine
+from transformers import AutoTokenizer
+
+model_path, data_path, out = sys.argv[1:]
+rank, world, device = compute_init()
+task = grading.load_task("tasks/math.py")
+problems = read_jsonl(data_path)
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+prompt_ids = grading.tokenize_prompts(problems, task, tokenizer)
+engine = Engine(load_model(model_path), tokenizer, kv_capacity=8 * 128, max_len=128,
+                temperature=1.0, max_turns=1, tools={})
+summaries = [ev.evaluate(engine, tokenizer, problems, 2, 16, prompt_ids=prompt_ids, task=task)[0]
+             for _ in range(2)]
+if rank == 0:
+    json.dump(summaries, open(out, "w"))
+'''
+
+
+def test_evaluate_twice_under_torchrun(tiny, tmp_path):
+    # each call claims from a shared counter of its own: the second once found the first's used up,
+    # generated nothing, and raised ("need the same non-zero number of samples")
+    script = tmp_path / "evaluate_twice.py"
+    script.write_text(EVALUATE_TWICE)
+    out = tmp_path / "summaries.json"
+    data_path = tiny / "data" / "heldout.jsonl"
+    p = zygote.run([str(script), str(tiny / "base"), str(data_path), str(out)],
+                   timeout=300, ranks=2)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second = json.loads(out.read_text())
+    assert first["problems"] == 3 and first == second
+
+
 def test_script_bad_input_is_named(tiny, tmp_path):
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"question": "What is 1 + 1?", "answer": 2}])
