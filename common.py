@@ -22,7 +22,8 @@ def compute_init(seed=0, timeout_s=1800):
     timeout_s bounds every collective: a rank that waits longer for the others (one of them crashed, hangs,
     or was stopped) raises instead of waiting forever, and torchrun ends the job. It must cover the longest
     honest wait, the spread between the first and the last rank to finish a rollout phase: `python
-    simulate.py` puts it at 48-114 s in training and 206-352 s for AIME eval at 30K tokens; 30 min is 5x that."""
+    simulate.py` puts it at 36-88 s in stage-1 training with claiming (170-179 s with a static split), and
+    a review estimated 206-352 s for AIME eval at 30K tokens (not simulated); 30 min is 5x that."""
     global _cpu_group
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -16,7 +16,7 @@ of every trajectory (GRPO-RoC works on whole groups; the metrics count everythin
 grade, turns, finish, tool-call statuses and lengths, ~100 bytes, gathered by `gather`. The tokens of a
 trajectory go to one rank only, the one that trains it (`exchange`), as compact arrays (13 bytes a
 token: int32 ids, uint8 mask, float32 log-probs; the Python lists took ~77). At the paper's scale
-(16,384 trajectories of ~4.6K tokens on 64 ranks) a rank then moves ~1.6 MB of summaries and ~15 MB of
+(16,384 trajectories of ~4.6K tokens on 64 ranks) a rank then moves ~1.8 MB of summaries and ~15 MB of
 tokens a step instead of unpickling 5.4 GiB of every rank's lists (`python bench.py scale` measures
 both). Both travel over a gloo group (common.cpu_group), through host memory.
 
