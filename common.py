@@ -121,16 +121,17 @@ def read_jsonl(path, required=None):
     task's columns)."""
     rows = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
     with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            # bytes, decoded line by line: a line that is not UTF-8 is named by its line number too
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
+            except ValueError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, "

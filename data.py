@@ -416,13 +416,14 @@ def read_rows(path):
                     row_number += 1
                     yield row_number, row
     elif path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
+        # bytes, decoded line by line: a line that is not UTF-8 is named by its row number too
+        with open(path, "rb") as f:
             for row_number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as e:
+                except ValueError as e:
                     raise ValueError(f"{path}:{row_number}: not valid JSON ({e})") from None
                 yield row_number, row
     else:

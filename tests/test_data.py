@@ -86,6 +86,10 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
             read_jsonl(str(path), math_task.COLUMNS)
     path.write_text('{"messages": []}\n')
     assert read_jsonl(str(path), required={"messages": list}) == [{"messages": []}]
+    # a line that is not UTF-8 is named by its line too (its position in a read-ahead buffer said nothing)
+    path.write_bytes(b'{"question": "q", "answer": "1"}\n{"question": "\xff", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + ":2: not valid JSON.*utf-8"):
+        read_jsonl(str(path), math_task.COLUMNS)
 
 
 def test_sft_conversation():
@@ -234,6 +238,11 @@ def test_convert_reports_bad_rows_with_file_and_row(tmp_path):
     write_jsonl(not_json, [{"question": "Q1", "answer": "1"}, "{oops"])
     with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
         data.convert([str(not_json)], str(tmp_path / "o.jsonl"))
+    # a row that is not UTF-8 (a Latin-1 download): named by its row too
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes(b'{"question": "Q1", "answer": "1"}\n{"question": "caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not valid JSON .*utf-8"):
+        data.convert([str(not_utf8)], str(tmp_path / "o.jsonl"))
     bad_parquet = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"problem": ["P1", "P2", "P3"], "answer": ["1", None, "3"]}), bad_parquet)
     with pytest.raises(ValueError, match=r"bad\.parquet:2: the answer must be a non-empty string"):
