@@ -86,3 +86,15 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
     metrics, dumps = state(run_dir)
     assert [line.split(b",")[0] for line in metrics.splitlines()] == [b'{"step": 1', b'{"step": 2']
     assert dumps == ["step_000001.jsonl.gz", "step_000002.jsonl.gz"]
+
+
+def test_a_new_run_in_the_directory_of_an_earlier_one_is_refused(made):
+    # without --resume, into a run directory that holds checkpoints: it emptied metrics.jsonl, its rotation
+    # deleted its own checkpoints before the earlier run's, and a later --resume took the earlier run's newest
+    run_dir = made / "run"
+    before = state(run_dir), sorted(path for path in os.listdir(run_dir) if path.startswith("step_"))
+    out = train_rl(made, run_dir, "--steps=1", "--keep_checkpoints=1")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"{run_dir} holds the checkpoints of an earlier run" in out.stderr, out.stderr[-2000:]
+    assert "--resume=true continues it" in out.stderr
+    assert (state(run_dir), sorted(path for path in os.listdir(run_dir) if path.startswith("step_"))) == before
