@@ -118,7 +118,7 @@ def read_jsonl(path, required=None):
     """Rows of a JSONL file (every script's data and metrics). A missing file or a bad line raises
     ValueError 'path:line: what is wrong'. `required`: the columns every row must have and their types, a
     dict (a task's COLUMNS); or a function of the row that gives them (a row that names its task needs that
-    task's columns)."""
+    task's columns). A text column must not be blank."""
     rows = []
     try:
         f = open(path, "rb")
@@ -143,6 +143,9 @@ def read_jsonl(path, required=None):
                 if not isinstance(row[key], kind):
                     raise ValueError(f"{path}:{lineno}: field {key!r} must be {kind.__name__}, "
                                      f"got {type(row[key]).__name__}")
+                # a blank text is no question or label (the math task matched a blank one to \boxed{%})
+                if kind is str and not row[key].strip():
+                    raise ValueError(f"{path}:{lineno}: field {key!r} is empty")
             rows.append(row)
     return rows
 

@@ -79,6 +79,8 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
         '{"question": "q", "answer": "1"}\n{"question": "q"\n': ":2: not valid JSON",
         '{"answer": "1"}\n': ":1: missing field 'question'",
         '[1, 2]\n': ":1: expected a JSON object",
+        # a blank label (the math task's reward matched it to the answer \\boxed{%}: reward 1)
+        '{"question": "q", "answer": "1"}\n{"question": "q", "answer": " "}\n': ":2: field 'answer' is empty",
     }
     for text, msg in bad.items():
         path.write_text(text)
