@@ -382,9 +382,9 @@ def read_tool_call(call, i):
 def check_messages(messages, tool_names=None):
     """
     The checks every SFT conversation passes, whatever renders it: a non-empty list of system / user / assistant /
-    tool messages, string contents (an assistant's may be None when it calls tools), the first assistant after a
-    user, each assistant turn's tool calls answered by exactly that many tool messages right after it, the last
-    message an assistant reply without tool calls. tool_names: the names a call may use (None: any). Returns the
+    tool messages, string contents (an assistant's may be None when it calls tools, and is not blank when it does
+    not), the first assistant after a user, each assistant turn's tool calls answered by exactly that many tool
+    messages right after it, the last message an assistant reply without tool calls. tool_names: the names a call may use (None: any). Returns the
     messages with each call's arguments as a JSON object (what a template's `tojson` expects: a string would be
     encoded twice). Raises ValueError naming the offending message index.
     """
@@ -411,6 +411,9 @@ def check_messages(messages, tool_names=None):
                 f"message {i}: {role} message while {pending} tool call(s) have no tool message")
         if role == "assistant" and not seen_user:
             raise ValueError(f"message {i}: assistant message before any user message")
+        # a blank reply would train the model to answer nothing
+        if role == "assistant" and not calls and not m["content"].strip():
+            raise ValueError(f"message {i}: an assistant reply without tool calls must not be blank")
         seen_user |= role == "user"
         # a tool message answers one call (there is one: checked above)
         pending = pending - 1 if role == "tool" else len(calls)

@@ -202,6 +202,9 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [fn("get_weather", {
      "message 1: tool call arguments are not valid JSON"),
     ("chat", {"messages": [A]}, "message 0: assistant message before any user message"),
     ("chat", {"messages": [U, {"role": "assistant", "content": 3}]}, "message 1: assistant content must be a string"),
+    # a blank reply (it trained the model to answer nothing)
+    ("chat", {"messages": [U, {"role": "assistant", "content": " \n"}]}, "message 1: an assistant reply without tool "
+     "calls must not be blank"),
     ("chat", {"messages": []}, '"messages" must be a non-empty list'),
     ("chat", {"conversations": []}, 'expected a JSON object with "messages"'),
     ("chat", '{"messages": [', "not valid JSON"),
