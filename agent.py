@@ -385,8 +385,8 @@ def check_messages(messages, tool_names=None):
     tool messages, string contents (an assistant's may be None when it calls tools, and is not blank when it does
     not), the first assistant after a user, each assistant turn's tool calls answered by exactly that many tool
     messages right after it, the last message an assistant reply without tool calls. tool_names: the names a
-    call may use (None: any). Returns the messages with each call's arguments as a JSON object (what a template's `tojson` expects: a string would be
-    encoded twice). Raises ValueError naming the offending message index.
+    call may use (None: any). Returns the messages with each call's arguments as a JSON object (what a
+    template's `tojson` expects: a string would be encoded twice). Raises ValueError naming the offending message index.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list')
