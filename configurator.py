@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import tokenize
+import types
 
 SIMPLE = (bool, int, float, str, tuple, list, type(None))
 
@@ -30,7 +31,7 @@ def fail(msg):
 
 
 def settings(scope):
-    """The config keys a scope holds (a script's globals, a config file's names): its public plain values."""
+    """The config keys a script's globals hold: its public plain values."""
     return {key: value for key, value in scope.items()
             if not key.startswith("_") and isinstance(value, SIMPLE)}
 
@@ -134,7 +135,10 @@ def configure(g, argv=None):
                 line = tb.tb_lineno if tb else "?"
                 fail(f"{arg}:{line}: {type(e).__name__}: {e}")
             where = label = arg
-            assigned = settings(scope)
+            # every public name but the modules and functions it uses: a value of any other type (a dict) is
+            # refused by check, not passed over
+            assigned = {key: value for key, value in scope.items() if not key.startswith("_")
+                        and not callable(value) and not isinstance(value, types.ModuleType)}
         # each one checked against its default (an unknown key or a wrong type exits, naming it), then echoed
         for key, value in assigned.items():
             g[key] = check(key, value, defaults, where)

@@ -65,6 +65,17 @@ def test_config_file(tmp_path, capsys):
     assert err == [f"config error: {typo}: unknown key 'step' (did you mean 'steps'?)"]
     code, err = run([str(tmp_path / "missing.py")], capsys)
     assert "not found" in err[0]
+    # a value of a type no key has (a dict, a set) is refused, not passed over: the run used the default
+    for text, says in [("run_dir = {'a': 1}\n", "'run_dir' must be str"),
+                       ("stpes = {7}\n", "unknown key 'stpes'")]:
+        typed = tmp_path / "typed.py"
+        typed.write_text(text)
+        code, err = run([str(typed)], capsys)
+        assert code == 2 and len(err) == 1 and says in err[0], err
+    # what a config file imports or defines to compute its values is no key
+    helpers = tmp_path / "helpers.py"
+    helpers.write_text("import math\n\n\ndef half(x):\n    return x / 2\n\n\nlr = half(math.e)\n")
+    assert configure(defaults(), [str(helpers)])["lr"] == 1.3591409142295225
 
 
 def test_help_lists_keys_defaults_and_types():
