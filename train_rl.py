@@ -44,7 +44,7 @@ import agent
 import grading
 import grpo_roc
 from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
-                        save_checkpoint)
+                        lock_run, save_checkpoint)
 from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
                     print0, resolve_model)
 from configurator import configure, require
@@ -370,8 +370,10 @@ try:
                     tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 except ValueError as e:  # a setting the engine refuses (kv_reserve out of [0, 1], ...)
     raise SystemExit(f"config error: {e}")
-# every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
-# made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
+# every check passed: now the run directory changes, this run's alone while it lives (a second one stops here)
+run_lock = lock_run(run_dir) if rank == 0 else None
+# a resumed run's steps after its checkpoint are about to be made again: their dumps go, and metrics.jsonl
+# keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
     for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
         if int(os.path.basename(path)[5:11]) > step:

@@ -198,7 +198,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
-                            save_checkpoint)
+                            lock_run, save_checkpoint)
     from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
     from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
@@ -289,6 +289,8 @@ if __name__ == "__main__":
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch
     warmup = max(1, round(warmup_ratio * total))
+    # out_dir changes from here on: this run's alone while it lives (a second one stops here)
+    run_lock = lock_run(out_dir) if rank == 0 else None
     logger = Logger(out_dir, wandb_project, cfg, rank, resume_step=step if start else None)
     print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
            f"({epoch_len} per epoch), {world} rank(s)")

@@ -3,6 +3,7 @@ custom tools) through a Qwen-style chat template, with the loss mask checked aga
 generation markers; "rstar2" files rendered and ordered exactly as before; mix weights; bad input named by
 file:line; and a short SFT run on a mix of both kinds that lowers the loss on each."""
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -360,3 +361,8 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_ends(tiny, tmp_path):
     assert p.returncode != 0 and "holds the checkpoint of an earlier run" in p.stderr, p.stderr[-2000:]
     p = zygote.run(args[:-1] + [f"--out_dir={tmp_path}/new", "--resume=true"])
     assert p.returncode != 0 and "holds no checkpoint" in p.stderr, p.stderr[-2000:]
+    # and a second run while one is at work in out_dir (which holds out_dir/lock; the test here) stops
+    with open(out / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = zygote.run(args + ["--resume=true"])
+    assert p.returncode != 0 and f"another run is using {out}" in p.stderr, p.stderr[-2000:]
