@@ -56,6 +56,23 @@ def latest_checkpoint(run_dir, weights=False):
     return found[-1] if found else None
 
 
+def resume_point(run_dir, resume):
+    """The checkpoint a run continues from: run_dir's newest with resume (--resume=true), None
+    without. Exits where the two disagree: resume with no checkpoint; or a new run where an earlier
+    one left checkpoints, which would mix with it (metrics.jsonl emptied, the rotation deleting the
+    new run's checkpoints before the old run's, a later --resume taking the old run's newest)."""
+    start = latest_checkpoint(run_dir)
+    if resume and not start:
+        raise SystemExit(
+            f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
+            "nothing to resume; drop --resume to start this run from step 0")
+    if start and not resume:
+        raise SystemExit(
+            f"config error: {run_dir} holds the checkpoints of an earlier run (the newest: "
+            f"{start}): --resume=true continues it; a new run needs its own directory")
+    return start
+
+
 def lock_run(run_dir):
     """Hold run_dir/lock while this process lives (the kernel lets it go when the process ends, killed or
     not): a second run pointed at run_dir, a job started twice, stops here instead of interleaving its

@@ -197,8 +197,8 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
-                            lock_run, save_checkpoint)
+    from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
+                            resume_point, save_checkpoint)
     from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
     from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
@@ -230,8 +230,7 @@ if __name__ == "__main__":
     cfg = configure(globals())
     # the ranges of the settings (a conversation fits one micro-batch)
     require(globals(), "epochs >= 1", "lr >= 0", "0 <= lr_min_ratio <= 1", "0 <= warmup_ratio <= 1",
-            "batch_size >= 1", "max_seq_len <= max_tokens_per_micro", "grad_clip > 0", "log_every >= 1",
-            "save_every >= 0")
+            "batch_size >= 1", "max_seq_len <= max_tokens_per_micro", "grad_clip > 0", "log_every >= 1")
     rank, world, device = compute_init(seed)
     model_path = resolve_model(model_path)
     # packed rows for flash-attn's varlen kernel, padded batches for SDPA
@@ -269,14 +268,9 @@ if __name__ == "__main__":
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
 
-    # the checkpoint to resume, there with --resume=true and only then: a new run would mix with the
-    # earlier one's (its rotation deleting the new checkpoints, a later --resume taking the old one)
-    start = latest_checkpoint(out_dir)
-    if resume and not start:
-        sys.exit(f"config error: --resume=true but {out_dir} holds no checkpoint (step_*/)")
-    if start and not resume:
-        sys.exit(f"config error: {out_dir} holds the checkpoint of an earlier run ({start}): "
-                 "--resume=true continues it; a new run needs its own out_dir")
+    # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left
+    # checkpoints stops here
+    start = resume_point(out_dir, resume)
     model = load_trainable(start or model_path, device, ptdtype, activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     step = 0

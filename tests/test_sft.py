@@ -358,9 +358,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_ends(tiny, tmp_path):
     assert [row["loss"] for row in again] == [row["loss"] for row in rows]
     # a new run where that checkpoint is would mix with it: refused, as a resume with nothing to resume is
     p = zygote.run(args)
-    assert p.returncode != 0 and "holds the checkpoint of an earlier run" in p.stderr, p.stderr[-2000:]
+    assert p.returncode != 0 and "checkpoints of an earlier run" in p.stderr, p.stderr[-2000:]
     p = zygote.run(args[:-1] + [f"--out_dir={tmp_path}/new", "--resume=true"])
-    assert p.returncode != 0 and "holds no checkpoint" in p.stderr, p.stderr[-2000:]
+    assert p.returncode != 0 and "holds no complete checkpoint" in p.stderr, p.stderr[-2000:]
     # and a second run while one is at work in out_dir (which holds out_dir/lock; the test here) stops
     with open(out / "lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
