@@ -200,13 +200,14 @@ def sdpa(q, k, v, mask):
 def attend(q, k, v, att, layer_idx):
     """q (B, T, H, hd), k/v (B, T, Hkv, hd) rotated -> (B, T, H, hd); att is set up once per forward"""
     B, T, H, hd = q.shape
-    cache = att.get("cache")
-    if cache is None and att["flash"]:
-        # packed training: drop pad tokens, every segment is one varlen sequence
+    # flash-attn's packed training (forward set up "varlen"): drop pad tokens, every segment is one varlen
+    # sequence
+    if "varlen" in att:
         idx, cu, max_len = att["varlen"]
         q, k, v = (z.reshape(B * T, -1, hd)[idx] for z in (q, k, v))  # (N, heads, hd)
         y = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)  # (N, H, hd)
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
+    cache = att.get("cache")
     if cache is None:
         return sdpa(q, k, v, att["mask"])
     kc, vc = cache.layers[layer_idx]  # this layer's pool (KVCache: its layouts)
@@ -388,7 +389,7 @@ class Qwen(nn.Module):
             raise ValueError("shared needs right-padded rows (a 0/1 attention_mask), on SDPA's path")
         if right_padded:
             positions = t.expand(B, T)
-            att = dict(flash=False, mask=None)
+            att = dict(mask=None)
             if shared is not None:
                 rows, counts = shared
                 # the tokens each row runs (its own, not shared), packed into one row (1, N) for the layers
@@ -412,12 +413,12 @@ class Qwen(nn.Module):
                 seg_starts = start.flatten()[idx].nonzero().squeeze(1)
                 # (S + 1,) cumulative lengths
                 cu = F.pad(seg_starts, (0, 1), value=idx.numel()).int()
-                att = dict(flash=True, varlen=(idx, cu, int(cu.diff().max())))
+                att = dict(varlen=(idx, cu, int(cu.diff().max())))
             else:
                 seg = start.cumsum(1)  # (B, T) segment number within the row
                 causal = t[:, None] >= t[None, :]  # (T, T)
                 # (B, T, T)
-                att = dict(flash=False, mask=(seg[:, :, None] == seg[:, None, :]) & causal)
+                att = dict(mask=(seg[:, :, None] == seg[:, None, :]) & causal)
         x = self.run(input_ids, positions, att)  # (B, T, D), or (1, N, D) packed
         if "gather" in att:  # every place of the rows, shared ones too
             x = x[0][att["gather"]]
