@@ -392,11 +392,13 @@ class Qwen(nn.Module):
             att = dict(mask=None)
             if shared is not None:
                 rows, counts = shared
+                # the places whose tokens a row shares: its first counts[b]
+                is_shared = t < counts[:, None]  # (B, T)
                 # the tokens each row runs (its own, not shared), packed into one row (1, N) for the layers
-                runs = attention_mask.bool() & (t >= counts[:, None])  # (B, T)
+                runs = attention_mask.bool() & ~is_shared  # (B, T)
                 # each place's token among the N: for a shared place, the same place in the row that runs it
                 place = torch.arange(B * T, device=t.device).view(B, T)
-                place = torch.where(t < counts[:, None], place[rows], place)
+                place = torch.where(is_shared, place[rows], place)
                 att.update(gather=(runs.flatten().cumsum(0) - 1)[place], pick=runs)
                 input_ids = input_ids[runs][None]
                 positions = positions[runs][None]
