@@ -735,12 +735,14 @@ class KVCache:
         A dst that holds tokens is refused (a caller's bug: the engine hands over rows it has just claimed)."""
         n = int(self.lengths[src])
         full = n // self.page_size
+        # src's full pages, which every dst holds too
+        full_pages = self.table[src, :full]
         for dst in dsts:
             if self.npages[dst]:
                 raise ValueError(f"share: row {dst} is not empty")
-            for page in self.table[src, :full].tolist():
+            for page in full_pages.tolist():
                 self.refs[page] += 1
-            self.table[dst, :full] = self.table[src, :full]
+            self.table[dst, :full] = full_pages
             self.npages[dst] = full
             # the page of its own, if src has a partly filled one
             self.grow(dst, n)
