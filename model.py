@@ -849,7 +849,7 @@ def load_weights(model, path, device=None):
                 local = p
                 start = 0
                 if isinstance(p, DTensor):
-                    if tuple(p.placements) != (Shard(0),):
+                    if p.placements != (Shard(0),):
                         raise ValueError(f"{name}: load_weights reads Shard(0) DTensors only, got "
                                          f"{p.placements}")
                     # FSDP2 shards dim 0 like torch.chunk: rank r owns rows [r*c, r*c + local rows)
