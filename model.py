@@ -517,10 +517,11 @@ class Qwen(nn.Module):
         pos = lengths[:, None] + torch.arange(T)  # (B, T)
         # the page table of the keys this forward reads, padding included: page 0 past a row's own pages
         ps = cache.page_size
+        width = cache.table.shape[1]  # the pages of a whole row
         P = cache.pages(int((lengths + T).max()))
         if static:  # the pages read: a power of two, at most a whole row's
-            P = min(1 << (P - 1).bit_length(), cache.table.shape[1])
-        table = F.pad(cache.table[rows], (0, max(0, P - cache.table.shape[1])))[:, :P]  # (B, P)
+            P = min(1 << (P - 1).bit_length(), width)
+        table = F.pad(cache.table[rows], (0, max(0, P - width)))[:, :P]  # (B, P)
         real = torch.arange(T) < n[:, None]  # (B, T)
         # (N,) the flat pool index of each real token
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]
