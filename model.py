@@ -681,7 +681,7 @@ class KVCache:
         self.num_rows = num_rows
         self.max_len = max_len
         self.page_size = page_size
-        width = -(-max_len // page_size)  # pages of a full row
+        width = self.pages(max_len)  # pages of a full row
         self.num_pages = num_rows * width if num_pages is None else num_pages
         if self.num_pages < width:
             raise ValueError(f"a pool of {self.num_pages} pages of {page_size} tokens cannot hold one row of "
