@@ -219,8 +219,9 @@ class Pager:
     def reserved(self, row, share):
         """Tokens promised to a row: its prompt + `share` of its budget (never more than the budget), or what
         it holds beyond that."""
-        # the response part: the promised share, or the response so far when it is longer
-        promised = min(math.ceil(share * row.budget), row.budget)
+        # the response part: the promised share, or the response so far when it is longer. A share is at most 1
+        # (reserve is checked to lie in [0, 1], auto's is at most 1/2), so the promise is at most the budget
+        promised = math.ceil(share * row.budget)
         response = max(promised, len(row.traj.response_ids))
         return len(row.traj.prompt_ids) + response
 
