@@ -376,7 +376,7 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=0.0):
         """Plain completions, no tools: list of token-id lists in, list of generated id lists out."""
-        reqs = [Request(list(prompt), key=(0, i, 0)) for i, prompt in enumerate(prompts)]
+        reqs = [Request(prompt, key=(0, i, 0)) for i, prompt in enumerate(prompts)]
         trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=temperature, use_tools=False)
         return [traj.response_ids for traj in sorted(trajs, key=lambda traj: traj.key)]
 
