@@ -410,7 +410,7 @@ class Qwen(nn.Module):
             # (B, T), restarting per segment
             positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values
             if flash:
-                idx = (m.flatten() != 0).nonzero().squeeze(1)  # (N,) flat indices of real tokens
+                idx = m.flatten().nonzero().squeeze(1)  # (N,) flat indices of real tokens
                 # where each segment begins among them
                 seg_starts = start.flatten()[idx].nonzero().squeeze(1)
                 # (S + 1,) cumulative lengths
