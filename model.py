@@ -769,10 +769,10 @@ class KVCache:
                 # (Hkv, stale rows, P, ps, hd)
                 buf.view(Hkv, B, P, ps, hd)[:, stale] = pool[:, table[stale]]
             return self.kept[layer]
-        n = Hkv * B * P * ps * hd
-        if self.buffers[layer].numel() < 2 * n:
-            self.buffers[layer] = self.buffers[layer].new_empty(2 * n)
-        bufs = self.buffers[layer][:2 * n].view(2, Hkv, B * P, ps, hd)  # keys, values
+        size = 2 * Hkv * B * P * ps * hd  # the keys' and the values' elements
+        if self.buffers[layer].numel() < size:
+            self.buffers[layer] = self.buffers[layer].new_empty(size)
+        bufs = self.buffers[layer][:size].view(2, Hkv, B * P, ps, hd)  # keys, values
         for pool, buf in zip(self.layers[layer], bufs):
             torch.index_select(pool, 1, table.flatten(), out=buf)
         self.kept[layer] = [buf.view(Hkv, B, P * ps, hd) for buf in bufs]
