@@ -71,7 +71,7 @@ class Config:
     def from_json(cls, path):
         """read a HF config.json (or the directory holding one)"""
         if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
+            path = f"{path}/config.json"
         with open(path) as f:
             d = json.load(f)
         if d.get("model_type") not in ("qwen3", "qwen2"):
@@ -824,11 +824,11 @@ def load_weights(model, path, device=None):
             raise ValueError("load_weights: the model is on the meta device, pass device=")
         model.to_empty(device=device)
     # the weight files: a sharded checkpoint's index names its shards, else one model.safetensors
-    index = os.path.join(path, "model.safetensors.index.json")
-    files = [os.path.join(path, "model.safetensors")]
+    index = f"{path}/model.safetensors.index.json"
+    files = [f"{path}/model.safetensors"]
     if os.path.exists(index):
         with open(index) as f:
-            files = [os.path.join(path, name)
+            files = [f"{path}/{name}"
                      for name in sorted(set(json.load(f)["weight_map"].values()))]
     elif not os.path.exists(files[0]):
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
@@ -899,8 +899,8 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
         for old in os.listdir(path):  # a stale single file or index would shadow the new weights
             if old.startswith("model") and old.endswith((".safetensors",
                                                          ".safetensors.index.json")):
-                os.remove(os.path.join(path, old))
-        with open(os.path.join(path, "config.json"), "w") as f:
+                os.remove(f"{path}/{old}")
+        with open(f"{path}/config.json", "w") as f:
             json.dump(model.cfg.to_dict(dtype), f, indent=2)
     for names, file in zip(shards, files):
         tensors = {}
@@ -910,10 +910,10 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
             if rank0:
                 tensors[name] = t.to(device="cpu", dtype=dtype).contiguous()
         if rank0:
-            save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+            save_file(tensors, f"{path}/{file}", metadata={"format": "pt"})
     if rank0 and len(shards) > 1:
         weight_map = {name: file for names, file in zip(shards, files) for name in names}
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        with open(f"{path}/model.safetensors.index.json", "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
