@@ -242,8 +242,8 @@ model = load_trainable(init_path, device, ptdtype, activation_checkpointing, com
 rollout_model = load_model(init_path, device="meta",
                            dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
 rollout_model.decode_mode = decode_mode
-optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999),
-                              weight_decay=weight_decay)
+# AdamW's default betas: (0.9, 0.999)
+optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 # the frozen reference of the KL term: the run's starting model (never a resumed checkpoint, never
 # saved), sharded like the policy, in dtype, without gradients or optimizer state; its log-probs
 # reach every loss term
