@@ -531,7 +531,8 @@ while step < steps:
                 sums["entropy"] += (entropy * micro["mask"]).sum() / n_tokens / len(parts)
             # optimizer step: one per mini-batch, after clipping the gradients' global norm
             total_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            grad_norm = float(full_value(total_norm))
+            # the norm before clipping, made whole (a collective); Logger.log reads the tensor itself
+            grad_norm = full_value(total_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     step += 1
