@@ -122,8 +122,9 @@ def parse(line, fmt):
         raise ValueError(f"not valid JSON ({error})") from None
     if not isinstance(row, dict) or "messages" not in row:
         raise ValueError('expected a JSON object with "messages"')
+    # the JSON schemas of the functions the conversation may call (None: not given), in either format
+    tools = row.get("tools")
     if fmt == "rstar2":
-        tools = row.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(
                 isinstance(schema, dict) and isinstance(schema.get("function"), dict)
                 and isinstance(schema["function"].get("name"), str) for schema in tools)):
@@ -135,7 +136,7 @@ def parse(line, fmt):
         # agent.check_messages' checks, then the protocol's
         agent.conversation_segments(row["messages"], table)
         return row["messages"], table
-    return check_chat(row["messages"], row.get("tools")), row.get("tools")
+    return check_chat(row["messages"], tools), tools
 
 
 def index_file(path, fmt):
