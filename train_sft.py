@@ -79,7 +79,8 @@ def render_chat(tokenizer, messages, tools=None):
     if GENERATION_TAG.search(tokenizer.get_chat_template(None, tools)):
         out = tokenizer.apply_chat_template(messages, tools=tools, return_dict=True,
                                             return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), list(out["assistant_masks"])
+        # two lists of ints (no return_tensors asked for)
+        return out["input_ids"], out["assistant_masks"]
 
     def render(conversation, generation_prompt=False):
         return tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
