@@ -140,12 +140,13 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
              checkpoint_id=f"{tmp}/state")
     if not stepped:
         optimizer.state.clear()
+    # HF weights with their config.json, or the config alone
     if hf_dtype is not None:
         save_model(model, tmp, dtype=hf_dtype)  # every rank takes part in the gathers
+    elif rank0:
+        with open(f"{tmp}/config.json", "w") as f:
+            json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
     if rank0:
-        if hf_dtype is None:
-            with open(f"{tmp}/config.json", "w") as f:
-                json.dump(model.cfg.to_dict(next(model.parameters()).dtype), f, indent=2)
         tokenizer.save_pretrained(tmp)
         state = {**state, "stepped": stepped,
                  "rng_python": random.getstate(), "rng_numpy": np.random.get_state(),
