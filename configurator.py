@@ -30,12 +30,6 @@ def fail(msg):
     sys.exit(2)
 
 
-def settings(scope):
-    """The config keys a script's globals hold: its public plain values."""
-    return {key: value for key, value in scope.items()
-            if not key.startswith("_") and isinstance(value, SIMPLE)}
-
-
 def check(key, value, defaults, where):
     """Return value converted to the type of the default, or exit naming the key."""
     if key not in defaults:
@@ -103,7 +97,9 @@ def key_comments(path):
 def configure(g, argv=None):
     """Apply config files and --key=value overrides from argv to the dict g (a module's globals)."""
     argv = sys.argv[1:] if argv is None else argv
-    defaults = settings(g)
+    # the config keys g holds: its public plain values, whose types the overrides must match
+    defaults = {key: value for key, value in g.items()
+                if not key.startswith("_") and isinstance(value, SIMPLE)}
     verbose = int(os.environ.get("RANK", "0")) == 0
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
