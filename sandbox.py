@@ -432,8 +432,9 @@ class SandboxPool:
         elif cgroup:
             with open(f"{cgroup[0]}/memory.oom_control") as oom:
                 pathlib.Path(f"{cgroup[0]}/cgroup.event_control").write_text(f"{cfg['oom_event']} {oom.fileno()}")
-        # the syscall filter: bwrap reads it from a memfd and loads it for the worker, and so for its calls
-        if wrapper and self._seccomp:
+        # the syscall filter (start() built it: a wrapper is bwrap's): bwrap reads it from a memfd and loads it for
+        # the worker, and so for its calls
+        if wrapper:
             fds.append(os.memfd_create("seccomp"))
             os.pwrite(fds[-1], self._seccomp, 0)  # (its offset stays at 0, where bwrap reads)
             wrapper[-1:] = ["--seccomp", str(fds[-1]), "--"]
