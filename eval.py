@@ -436,6 +436,10 @@ if __name__ == "__main__":
         # the ranks' parts, one after the other: sort by (group, sample) to read in order
         if save_trajectories:
             join_parts(f"{out_dir}/trajectories.jsonl", world)
+        else:
+            # an earlier run's dump would read as this run's (view.py shows it beside this summary)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f"{out_dir}/trajectories.jsonl")
         print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
               + (", trajectories.jsonl" if save_trajectories else ""))
         # the two keep rules: which rows, from how many right samples to how many, the rule in words

@@ -324,6 +324,9 @@ def test_script_under_torchrun_shares_the_rollouts_across_ranks(tiny, tmp_path):
     script = tmp_path / "counting_eval.py"
     script.write_text(COUNTING_EVAL)
     out = tmp_path / "e"
+    # an earlier run's dump in out_dir: a run without one removes it (it would read as this run's)
+    out.mkdir()
+    (out / "trajectories.jsonl").write_text("{}\n")
     p = zygote.run([str(script), "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
                     f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--samples=8",
                     "--max_response_tokens=384", "--tool_workers=1", "--save_trajectories=false",
@@ -331,6 +334,7 @@ def test_script_under_torchrun_shares_the_rollouts_across_ranks(tiny, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     made = [int((out / f"count.{rank}").read_text()) for rank in range(2)]
     assert sum(made) == 24 and min(made) > 0, made
+    assert not (out / "trajectories.jsonl").exists()
 
 
 # a user's script that imports evaluate() and calls it twice under torchrun (two checkpoints,
