@@ -32,10 +32,12 @@ paper's Fig. 4 on a laptop: tool errors inside correct trajectories). `python de
 GRPO-RoC twice more with the rollout engine's copy of the policy in bfloat16 (the trainer stays fp32, as
 on GPU), without and with truncated importance sampling (tis_cap=2), to show the engine-vs-trainer gap
 and what the correction does. A stage whose output exists is skipped, so either flag after a finished run
-only trains and evaluates its extra arms; `rm -rf out` for a fresh run.
+only trains and evaluates its extra arms; an RL run stopped midway (a killed demo) is resumed from its newest
+checkpoint; `rm -rf out` for a fresh run.
 """
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -45,6 +47,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 import agent
+import checkpoint
 import data
 from common import read_jsonl
 
@@ -70,6 +73,8 @@ heldout = [f"--data_path={root}/data/heldout.jsonl",
            *("--" + a[len("--eval."):] for a in sys.argv if a.startswith("--eval."))]
 policy = [f"--model_path={root}/tiny-sft", f"--data_path={root}/data/train.jsonl",
           *("--" + a[len("--rl."):] for a in sys.argv if a.startswith("--rl."))]
+# how many steps each RL run makes: --rl.steps=N, else the config's
+rl_steps = int(value("--rl.steps", runpy.run_path("configs/tiny_rl.py")["steps"]))
 os.makedirs(out, exist_ok=True)
 t_start = time.time()
 
@@ -81,6 +86,23 @@ def sh(done, *args):
         return
     print("\n$ python " + " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], check=True)
+
+
+def train_rl(run_dir, rl_seed, *extra, dumps=True):
+    """One RL run to rl_steps, unless its last checkpoint exists; -> that checkpoint (what eval.py loads). A run
+    stopped midway (a killed demo) has a metrics.jsonl but not its last checkpoint: it is resumed from its newest
+    checkpoint (train_rl.py refuses a new run where checkpoints exist), or run again where it saved none."""
+    last = checkpoint.checkpoint_dir(run_dir, rl_steps)
+    newest = checkpoint.latest_checkpoint(run_dir)
+    # a run trained past rl_steps (an earlier demo with more --rl.steps) has no weights at rl_steps to evaluate
+    if newest and newest > last and not os.path.exists(f"{last}/model.safetensors"):
+        sys.exit(f"demo.py: {run_dir} holds a longer run ({newest}) than --rl.steps={rl_steps}; remove it "
+                 "(or give it the run's steps)")
+    no_dumps = [] if dumps else ["--dump_every=0"]
+    resume = ["--resume=true"] if newest else []
+    sh(f"{last}/model.safetensors", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={run_dir}",
+       f"--seed={rl_seed}", "--deterministic=true", *no_dumps, *policy, *extra, *resume)
+    return last
 
 
 def moving_average(values, window=5):
@@ -146,10 +168,8 @@ def seed_study(n):
     for s in range(n):
         for arm, extra in arms.items():
             d = f"{root}/seeds/{arm.lower()}-s{s}"
-            sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={s}",
-               "--deterministic=true", "--dump_every=0", *policy, *extra)
+            ev = evaluate(train_rl(d, s, *extra, dumps=False), f"seeds_{arm}_s{s}")
             m = data.read_metrics(d)
-            ev = evaluate(f"{d}/step_{m[-1]['step']:06d}", f"seeds_{arm}_s{s}")
             mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             rows[arm].append({"seed": s, "first": mean(m[:20], "tool/err_pos"), "last": mean(m[-20:], "tool/err_pos"),
                               "acc": ev["avg@k"], "len": ev["rollout/response_len"], "calls": ev["tool/calls"],
@@ -207,12 +227,10 @@ if compare:  # plain GRPO: G samples per prompt, all used, same seed and steps
 if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp32
     runs["bf16 engine"] = (f"{root}/tiny-bf16", ["--rollout_dtype=bfloat16"])
     runs["bf16 engine + TIS"] = (f"{root}/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
-for name, (d, extra) in runs.items():
-    sh(f"{d}/metrics.jsonl", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={d}", f"--seed={seed}",
-       "--deterministic=true", *policy, *extra)
+trained = {name: train_rl(d, seed, *extra) for name, (d, extra) in runs.items()}
 runs = {name: d for name, (d, _) in runs.items()}
-steps = data.read_metrics(runs["GRPO-RoC"])[-1]["step"]
-after = {name: evaluate(f"{d}/step_{steps:06d}", name) for name, d in runs.items()}
+steps = rl_steps
+after = {name: evaluate(path, name) for name, path in trained.items()}
 
 # training curves: reward, tool error ratio among positives (Fig. 4), response length; held-out accuracy
 fig, axes = plt.subplots(1, 5, figsize=(22, 4))

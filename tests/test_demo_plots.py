@@ -11,10 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def made_up_run(base, gap, sft_acc=0.474):
     """The files demo.py reads, as a finished default run leaves them; gap: every step's mismatch/abs_mean."""
-    for path in ("data/sft.jsonl", "tiny-sft/model.safetensors"):
+    for path in ("data/sft.jsonl", "tiny-sft/model.safetensors", "tiny-rl/step_000100/model.safetensors"):
         os.makedirs(os.path.dirname(base / path), exist_ok=True)
         (base / path).write_text("")
-    os.makedirs(base / "tiny-rl")
     with open(base / "tiny-rl" / "metrics.jsonl", "w") as f:
         for step in range(1, 101):
             f.write(json.dumps({"step": step, "rollout/reward": 0.5 + step / 400, "tool/err_pos": 0.1 / step,

@@ -322,15 +322,20 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     """`python demo.py --seeds=N` at toy size (2 RL steps, one seed, 2 samples): both arms train from the same SFT
     model and are evaluated; the Fig. 4 curve it plots is each run's own tool_err_pos, its table's means are
     those of the metrics, and its accuracy is the eval's. Stages whose outputs exist are skipped, so the
-    fixture's data and SFT model stand in for data.py prepare and train_sft.py."""
+    fixture's data and SFT model stand in for data.py prepare and train_sft.py. The RoC arm stands as a killed
+    demo left it, one step done of two (its metrics.jsonl and a checkpoint): the demo resumes it to the end."""
     root = tmp_path / "demo"
     shutil.copytree(sft / "data", root / "data")
     shutil.copy(sft / "data" / "rl.jsonl", root / "data" / "train.jsonl")  # problems the SFT model solves at times
     shutil.copytree(sft / "sft", root / "tiny-sft")
-    run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=2", "--rl.prompts_per_step=4", "--rl.samples_per_prompt=8",
-        "--rl.keep_per_prompt=4", "--rl.max_response_tokens=96", "--rl.lr=1e-3", "--rl.warmup_steps=1",
-        "--rl.tool_workers=1", "--rl.save_every=2", "--eval.samples=2", "--eval.max_response_tokens=96",
-        "--eval.tool_workers=1")
+    toy = ["--prompts_per_step=4", "--samples_per_prompt=8", "--keep_per_prompt=4", "--max_response_tokens=96",
+           "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1"]
+    # the stopped arm: the demo's own command, stopped after its first step's checkpoint
+    run("train_rl.py", "configs/tiny_rl.py", f"--run_dir={root}/seeds/grpo-roc-s0", "--seed=0", "--dump_every=0",
+        f"--model_path={root}/tiny-sft", f"--data_path={root}/data/train.jsonl", *toy, "--steps=1")
+    run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=2", *("--rl." + arg[2:] for arg in toy),
+        "--rl.save_every=2", "--eval.samples=2", "--eval.max_response_tokens=96", "--eval.tool_workers=1")
+    assert (root / "seeds" / "grpo-roc-s0" / "step_000002").is_dir()  # resumed to its last step
     shown = json.load(open(root / "demo" / "seeds.json"))
     table = open(root / "demo" / "seeds.md").read()
     for arm, run_name in [("GRPO-RoC", "grpo-roc"), ("GRPO", "grpo")]:
@@ -349,3 +354,6 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     # a misspelt flag is named, not ignored
     out = run("demo.py", f"--out={root}", "--seed=0", "--compre", check=False)
     assert out.returncode != 0 and "'--compre'" in out.stderr
+    # fewer steps than the runs made: no weights there to evaluate, said so (not the longer run's, as if shorter)
+    out = run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=1", check=False)
+    assert out.returncode != 0 and "holds a longer run" in out.stderr
