@@ -38,15 +38,33 @@ from agent import TOOL_ERRORS  # the statuses that count as a failed tool call
 
 
 def read_records(path):
-    """The records of one .jsonl or .jsonl.gz file."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of one .jsonl or .jsonl.gz file. A file cut short (a step's dump still being written, or a
+    run killed while writing it) gives its complete records, and a note says so; a bad line is named."""
+    records, line_number = [], 0
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except ValueError as e:
+                    # a last line without its newline: where the writer was when the file was read
+                    if not line.endswith("\n"):
+                        raise EOFError from None
+                    raise SystemExit(f"view error: {path}:{line_number}: not valid JSON ({e})") from None
+    except EOFError:
+        print(f"view: {path} is cut short (still being written, or its writer was stopped): "
+              f"its first {len(records)} records", file=sys.stderr)
+    return records
 
 
 def load(path):
     """(records, metrics rows) from a run dir, an eval out_dir, or one dump / trajectories file."""
     if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "rollouts", "step_*.jsonl*")))
+        # the joined dumps only: not the ranks' parts (step_*.jsonl.gz.0, ...) of a dump being written
+        files = sorted(f for f in glob.glob(os.path.join(path, "rollouts", "step_*.jsonl*"))
+                       if f.endswith((".jsonl", ".jsonl.gz")))
         evals = [os.path.join(path, "trajectories.jsonl" + gz) for gz in ("", ".gz")]
         files = files or [f for f in evals if os.path.isfile(f)]
         run_dir = path
@@ -57,6 +75,8 @@ def load(path):
     if not files:
         raise SystemExit(f"view error: no rollouts/step_*.jsonl.gz or trajectories.jsonl in {path}")
     records = [r for f in files for r in read_records(f)]
+    if not records:  # (the page would have no step to show)
+        raise SystemExit(f"view error: no trajectories in {', '.join(files)}")
     metrics_path = os.path.join(run_dir, "metrics.jsonl") if run_dir else ""
     metrics = []
     if os.path.isfile(metrics_path) and any(r.get("step") is not None for r in records):

@@ -319,3 +319,26 @@ def test_a_partial_reward_is_shown_beside_the_verdict(browser, tmp_path):
     browser.open(tmp_path / "step_000007.html")
     heads = browser.js("[...document.querySelectorAll('.sh')].map(e => e.textContent)")
     assert heads[0].startswith("#0 ✗ reward 0.80 · ") and heads[1].startswith("#1 ✓ reward 1.00 · ")
+
+
+def test_a_run_read_while_its_dump_is_written(tmp_path, capsys):
+    # train_rl writes a step's dump as one part a rank (step_*.jsonl.gz.0, ...), then joins them: a run viewed
+    # meanwhile, or killed then, holds a part and a cut-short dump; the page shows the complete records
+    rollouts = tmp_path / "run" / "rollouts"
+    rollouts.mkdir(parents=True)
+    recs = synthetic(rollouts / "step_000007.jsonl.gz", 2, 4, tokens=60)
+    whole = (rollouts / "step_000007.jsonl.gz").read_bytes()
+    (rollouts / "step_000008.jsonl.gz.0").write_bytes(whole[:len(whole) // 2])
+    (rollouts / "step_000009.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    records, _ = view.load(str(tmp_path / "run"))
+    assert records[:len(recs)] == recs and 0 < len(records) - len(recs) < len(recs)
+    assert "step_000009.jsonl.gz is cut short" in capsys.readouterr().err
+    # a line that is not JSON is named by file and line
+    with gzip.open(rollouts / "step_000009.jsonl.gz", "wt") as f:
+        f.write(json.dumps(recs[0]) + "\n{not json\n")
+    with pytest.raises(SystemExit, match="step_000009.jsonl.gz:2: not valid JSON"):
+        view.load(str(tmp_path / "run"))
+    # a dump cut before its first record, alone: nothing to show, said so (not a page without a step)
+    (rollouts / "step_000009.jsonl.gz").write_bytes(whole[:20])
+    with pytest.raises(SystemExit, match="no trajectories in"):
+        view.load(str(rollouts / "step_000009.jsonl.gz"))
