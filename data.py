@@ -590,6 +590,9 @@ if __name__ == "__main__":
     parser.add_argument("--error_rate", type=float, default=0.25)
     parser.add_argument("--bug_kind", choices=sorted(BUGS), default="typo", help="which first calls fail (see BUGS)")
     args = parser.parse_args()
+    for count in ("n_train", "n_heldout", "n_sft"):
+        if getattr(args, count) < 0:
+            parser.error(f"--{count} is a number of rows, got {getattr(args, count)}")
     if not 0 <= args.error_rate <= 1:
         parser.error(f"--error_rate is a share in [0, 1], got {args.error_rate}")
     from common import write_jsonl  # imports torch: here, so that convert and rl-set start without it
@@ -620,7 +623,9 @@ if __name__ == "__main__":
         rows = read_jsonl(args.problems or os.path.join(data_dir, "train.jsonl"), required=task.COLUMNS)
         name = os.path.splitext(os.path.basename(args.task))[0]
         with SandboxPool(timeout=4.0) as pool:
-            traces = task_traces(task, rows[-args.n_sft:], random.Random(args.seed), pool)  # the end of the file: RL starts at its front
+            # the last n_sft rows (RL starts at the file's front); rows[-0:] would be every row
+            last = rows[max(0, len(rows) - args.n_sft):]
+            traces = task_traces(task, last, random.Random(args.seed), pool)
         write_jsonl(os.path.join(data_dir, f"sft_{name}.jsonl"), traces)
         print(f"wrote {len(traces)} traces to {os.path.join(data_dir, f'sft_{name}.jsonl')}")
         sys.exit(0)

@@ -285,3 +285,7 @@ def test_task_data_commands_run(tmp_path):
     assert "wrote 3 traces" in command("traces", "--task=tasks/calculator.py", "--n_sft=3")
     traces = read_jsonl(str(tmp_path / "sft_calculator.jsonl"), required={"messages": list, "tools": list})
     assert all(m["content"].startswith("Tool call") for t in traces for m in t["messages"] if m["role"] == "tool")
+    # --n_sft=0 traces no row (rows[-0:] once traced them all); a negative count is refused
+    assert "wrote 0 traces" in command("traces", "--task=tasks/calculator.py", "--n_sft=0")
+    p = zygote.run(["data.py", "traces", "--n_sft=-1", f"--data_dir={tmp_path}"], timeout=300)
+    assert p.returncode != 0 and "--n_sft is a number of rows, got -1" in p.stderr
