@@ -138,9 +138,15 @@ CHAT_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 # the tiny task
 
 def make_problems(n, seed, max_digits=6, max_ops=3, exclude=()):
-    """n distinct problems {"question", "answer"} (answer: the integer as a string), none in exclude."""
+    """n distinct problems {"question", "answer"} (answer: the integer as a string), none in exclude (problems
+    of the same sizes); ValueError when fewer than n such problems exist, which the draws would never end."""
     if max_digits < 1 or max_ops < 1:
         raise ValueError(f"max_digits and max_ops must be >= 1, got {max_digits} and {max_ops}")
+    # every problem there is: k operators (3 kinds) between k + 1 numbers of 10 ** max_digits values
+    distinct = sum(3 ** k * (10 ** max_digits) ** (k + 1) for k in range(1, max_ops + 1))
+    if n > distinct - len(set(exclude)):
+        raise ValueError(f"{n} problems asked, but only {distinct} exist with up to {max_digits} digits and "
+                         f"{max_ops} operators" + (f", {len(set(exclude))} of them excluded" if exclude else ""))
     rng = random.Random(seed)
     seen, problems = set(exclude), []
     while len(problems) < n:
@@ -631,6 +637,9 @@ if __name__ == "__main__":
         sys.exit(0)
     # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
     with SandboxPool(timeout=4.0) as pool:
-        prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
-                n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops,
-                error_rate=args.error_rate, bug_kind=args.bug_kind)
+        try:
+                prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
+                    n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops,
+                    error_rate=args.error_rate, bug_kind=args.bug_kind)
+        except ValueError as e:  # sizes that cannot be met (more problems than exist)
+            sys.exit(f"prepare error: {e}")

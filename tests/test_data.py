@@ -66,6 +66,13 @@ def test_make_problems():
     assert ops == {1, 2, 3} and digits == {1, 2, 3, 4, 5, 6}
     exclude = {p["question"] for p in probs}
     assert not exclude & {p["question"] for p in data.make_problems(500, seed=3, exclude=exclude)}
+    # one digit, one operator: 10 * 3 * 10 problems exist; asking for more is refused, not drawn forever
+    assert len(data.make_problems(300, seed=0, max_digits=1, max_ops=1)) == 300
+    with pytest.raises(ValueError, match="301 problems asked, but only 300 exist"):
+        data.make_problems(301, seed=0, max_digits=1, max_ops=1)
+    small = {p["question"] for p in data.make_problems(200, seed=0, max_digits=1, max_ops=1)}
+    with pytest.raises(ValueError, match="200 of them excluded"):
+        data.make_problems(101, seed=1, max_digits=1, max_ops=1, exclude=small)
 
 
 def test_jsonl_roundtrip_and_errors(tmp_path):
