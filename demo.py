@@ -33,7 +33,8 @@ GRPO-RoC twice more with the rollout engine's copy of the policy in bfloat16 (th
 on GPU), without and with truncated importance sampling (tis_cap=2), to show the engine-vs-trainer gap
 and what the correction does. A stage whose output exists is skipped, so either flag after a finished run
 only trains and evaluates its extra arms; an RL run stopped midway (a killed demo) is resumed from its newest
-checkpoint; `rm -rf out` for a fresh run.
+checkpoint; an output that another command made (another --seed, --rl.KEY=VALUE, ...) is refused, not shown as
+this one's; `rm -rf out` for a fresh run.
 """
 import json
 import os
@@ -80,12 +81,25 @@ t_start = time.time()
 
 
 def sh(done, *args):
-    """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run)."""
+    """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run). Each
+    stage's command is kept in base/demo_commands.json: an output that another command made (another --seed,
+    --rl.KEY=VALUE, ...) is refused, not taken as this command's."""
+    record = f"{base}/demo_commands.json"
+    made = json.load(open(record)) if os.path.exists(record) else {}
+    # the command that makes done; a resume continues the same run
+    command = [arg for arg in args if arg != "--resume=true"]
     if os.path.exists(done):
+        if made.get(done, command) != command:
+            then = " ".join(arg for arg in made[done] if arg not in command)
+            now = " ".join(arg for arg in command if arg not in made[done])
+            sys.exit(f"demo.py: {done} was made with {then!r}, not {now!r}: remove it (rm -rf the run, "
+                     "or out) to make it again")
         print(f"\n(skipping `python {' '.join(args)}`: {done} exists)", flush=True)
         return
     print("\n$ python " + " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], check=True)
+    with open(record, "w") as f:
+        json.dump({**made, done: command}, f, indent=1)
 
 
 def train_rl(run_dir, rl_seed, *extra, dumps=True):

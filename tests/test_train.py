@@ -330,11 +330,16 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     shutil.copytree(sft / "sft", root / "tiny-sft")
     toy = ["--prompts_per_step=4", "--samples_per_prompt=8", "--keep_per_prompt=4", "--max_response_tokens=96",
            "--lr=1e-3", "--warmup_steps=1", "--tool_workers=1"]
-    # the stopped arm: the demo's own command, stopped after its first step's checkpoint
-    run("train_rl.py", "configs/tiny_rl.py", f"--run_dir={root}/seeds/grpo-roc-s0", "--seed=0", "--dump_every=0",
-        f"--model_path={root}/tiny-sft", f"--data_path={root}/data/train.jsonl", *toy, "--steps=1")
-    run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=2", *("--rl." + arg[2:] for arg in toy),
-        "--rl.save_every=2", "--eval.samples=2", "--eval.max_response_tokens=96", "--eval.tool_workers=1")
+    # the stopped arm: the demo's own command, as it stands when stopped after step 1's checkpoint
+    stopped = root / "seeds" / "grpo-roc-s0"
+    run("train_rl.py", "configs/tiny_rl.py", f"--run_dir={stopped}", "--seed=0", "--dump_every=0",
+        f"--model_path={root}/tiny-sft", f"--data_path={root}/data/train.jsonl", *toy, "--steps=2", "--save_every=1")
+    shutil.rmtree(stopped / "step_000002")
+    metrics = (stopped / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (stopped / "metrics.jsonl").write_text(metrics[0])
+    study = ["demo.py", f"--out={root}", "--seeds=1", "--rl.steps=2", *("--rl." + arg[2:] for arg in toy),
+             "--rl.save_every=2", "--eval.max_response_tokens=96", "--eval.tool_workers=1"]
+    run(*study, "--eval.samples=2")
     assert (root / "seeds" / "grpo-roc-s0" / "step_000002").is_dir()  # resumed to its last step
     shown = json.load(open(root / "demo" / "seeds.json"))
     table = open(root / "demo" / "seeds.md").read()
@@ -357,3 +362,6 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     # fewer steps than the runs made: no weights there to evaluate, said so (not the longer run's, as if shorter)
     out = run("demo.py", f"--out={root}", "--seeds=1", "--rl.steps=1", check=False)
     assert out.returncode != 0 and "holds a longer run" in out.stderr
+    # an output made by another command is refused, not shown as this one's: here the evals', with 2 samples
+    out = run(*study, "--eval.samples=3", check=False)
+    assert out.returncode != 0 and "was made with '--samples=2', not '--samples=3'" in out.stderr
