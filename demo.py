@@ -80,26 +80,41 @@ os.makedirs(out, exist_ok=True)
 t_start = time.time()
 
 
+RECORD = f"{base}/demo_commands.json"  # the command that made (or began) each stage's output
+
+
+def recorded():
+    return json.load(open(RECORD)) if os.path.exists(RECORD) else {}
+
+
+def refuse_another(key, command):
+    """Exit when key (a stage's output) was made, or begun, by a command other than this one (another --seed,
+    --rl.KEY=VALUE, ...): not shown as this command's, nor continued by it."""
+    made = recorded().get(key, command)
+    if made != command:
+        then = " ".join(arg for arg in made if arg not in command)
+        now = " ".join(arg for arg in command if arg not in made)
+        sys.exit(f"demo.py: {key} was made by another command (its own arguments: {then or '-'}; this one's: "
+                 f"{now or '-'}): remove it (rm -rf the run, or out) to make it again")
+
+
+def record(key, command):
+    commands = {**recorded(), key: command}
+    with open(RECORD, "w") as f:
+        json.dump(commands, f, indent=1)
+
+
 def sh(done, *args):
-    """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run). Each
-    stage's command is kept in base/demo_commands.json: an output that another command made (another --seed,
-    --rl.KEY=VALUE, ...) is refused, not taken as this command's."""
-    record = f"{base}/demo_commands.json"
-    made = json.load(open(record)) if os.path.exists(record) else {}
-    # the command that makes done; a resume continues the same run
-    command = [arg for arg in args if arg != "--resume=true"]
+    """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run); an
+    output that another command made is refused. The command is recorded once it succeeded."""
+    command = [arg for arg in args if arg != "--resume=true"]  # a resumed run's command is the one that began it
     if os.path.exists(done):
-        if made.get(done, command) != command:
-            then = " ".join(arg for arg in made[done] if arg not in command)
-            now = " ".join(arg for arg in command if arg not in made[done])
-            sys.exit(f"demo.py: {done} was made with {then!r}, not {now!r}: remove it (rm -rf the run, "
-                     "or out) to make it again")
+        refuse_another(done, command)
         print(f"\n(skipping `python {' '.join(args)}`: {done} exists)", flush=True)
         return
     print("\n$ python " + " ".join(args), flush=True)
     subprocess.run([sys.executable, *args], check=True)
-    with open(record, "w") as f:
-        json.dump({**made, done: command}, f, indent=1)
+    record(done, command)
 
 
 def train_rl(run_dir, rl_seed, *extra, dumps=True):
@@ -113,9 +128,15 @@ def train_rl(run_dir, rl_seed, *extra, dumps=True):
         sys.exit(f"demo.py: {run_dir} holds a longer run ({newest}) than --rl.steps={rl_steps}; remove it "
                  "(or give it the run's steps)")
     no_dumps = [] if dumps else ["--dump_every=0"]
-    resume = ["--resume=true"] if newest else []
-    sh(f"{last}/model.safetensors", "train_rl.py", "configs/tiny_rl.py", f"--run_dir={run_dir}",
-       f"--seed={rl_seed}", "--deterministic=true", *no_dumps, *policy, *extra, *resume)
+    command = ["train_rl.py", "configs/tiny_rl.py", f"--run_dir={run_dir}", f"--seed={rl_seed}",
+               "--deterministic=true", *no_dumps, *policy, *extra]
+    done = f"{last}/model.safetensors"
+    # a stopped run is continued by the command that began it only
+    if not os.path.exists(done):
+        if newest:
+            refuse_another(run_dir, command)
+        record(run_dir, command)
+    sh(done, *command, *(["--resume=true"] if newest else []))
     return last
 
 

@@ -364,4 +364,11 @@ def test_the_seed_study_records_what_its_table_and_plot_show(sft, tmp_path):
     assert out.returncode != 0 and "holds a longer run" in out.stderr
     # an output made by another command is refused, not shown as this one's: here the evals', with 2 samples
     out = run(*study, "--eval.samples=3", check=False)
-    assert out.returncode != 0 and "was made with '--samples=2', not '--samples=3'" in out.stderr
+    assert out.returncode != 0 and "(its own arguments: --samples=2; this one's: --samples=3)" in out.stderr
+    # nor is a stopped run continued by another command
+    shutil.rmtree(stopped / "step_000002")
+    other_lr = [arg.replace("--rl.lr=1e-3", "--rl.lr=1e-4") for arg in study]
+    out = run(*other_lr, "--eval.samples=2", check=False)
+    assert out.returncode != 0 and not (stopped / "step_000002").exists()
+    assert f"{stopped} was made by another command (its own arguments: --lr=1e-3; this one's: --lr=1e-4)" \
+        in out.stderr
