@@ -145,8 +145,9 @@ def make_problems(n, seed, max_digits=6, max_ops=3, exclude=()):
     # every problem there is: k operators (3 kinds) between k + 1 numbers of 10 ** max_digits values
     distinct = sum(3 ** k * (10 ** max_digits) ** (k + 1) for k in range(1, max_ops + 1))
     if n > distinct - len(set(exclude)):
-        raise ValueError(f"{n} problems asked, but only {distinct} exist with up to {max_digits} digits and "
-                         f"{max_ops} operators" + (f", {len(set(exclude))} of them excluded" if exclude else ""))
+        excluded = f", {len(set(exclude))} of them excluded" if exclude else ""
+        raise ValueError(f"{n} problems asked, but only {distinct} exist with up to {max_digits} digits "
+                         f"and {max_ops} operators{excluded}")
     rng = random.Random(seed)
     seen, problems = set(exclude), []
     while len(problems) < n:
@@ -639,7 +640,7 @@ if __name__ == "__main__":
     with SandboxPool(timeout=4.0) as pool:
         try:
                 prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
-                    n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits, max_ops=args.max_ops,
-                    error_rate=args.error_rate, bug_kind=args.bug_kind)
+                    n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits,
+                    max_ops=args.max_ops, error_rate=args.error_rate, bug_kind=args.bug_kind)
         except ValueError as e:  # sizes that cannot be met (more problems than exist)
             sys.exit(f"prepare error: {e}")

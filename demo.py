@@ -94,8 +94,8 @@ def refuse_another(key, command):
     if made != command:
         then = " ".join(arg for arg in made if arg not in command)
         now = " ".join(arg for arg in command if arg not in made)
-        sys.exit(f"demo.py: {key} was made by another command (its own arguments: {then or '-'}; this one's: "
-                 f"{now or '-'}): remove it (rm -rf the run, or out) to make it again")
+        sys.exit(f"demo.py: {key} was made by another command (its own arguments: {then or '-'}; "
+                 f"this one's: {now or '-'}): remove it (rm -rf the run, or out) to make it again")
 
 
 def record(key, command):
@@ -107,7 +107,8 @@ def record(key, command):
 def sh(done, *args):
     """Run one stage as its own command, unless its output `done` exists (rm -rf out for a fresh run); an
     output that another command made is refused. The command is recorded once it succeeded."""
-    command = [arg for arg in args if arg != "--resume=true"]  # a resumed run's command is the one that began it
+    # a resumed run's command is the one that began it
+    command = [arg for arg in args if arg != "--resume=true"]
     if os.path.exists(done):
         refuse_another(done, command)
         print(f"\n(skipping `python {' '.join(args)}`: {done} exists)", flush=True)
@@ -123,10 +124,10 @@ def train_rl(run_dir, rl_seed, *extra, dumps=True):
     checkpoint (train_rl.py refuses a new run where checkpoints exist), or run again where it saved none."""
     last = checkpoint.checkpoint_dir(run_dir, rl_steps)
     newest = checkpoint.latest_checkpoint(run_dir)
-    # a run trained past rl_steps (an earlier demo with more --rl.steps) has no weights at rl_steps to evaluate
+    # a run trained past rl_steps (an earlier demo with more --rl.steps): no weights at rl_steps
     if newest and newest > last and not os.path.exists(f"{last}/model.safetensors"):
-        sys.exit(f"demo.py: {run_dir} holds a longer run ({newest}) than --rl.steps={rl_steps}; remove it "
-                 "(or give it the run's steps)")
+        sys.exit(f"demo.py: {run_dir} holds a longer run ({newest}) than --rl.steps={rl_steps}; "
+                 "remove it (or give it the run's steps)")
     no_dumps = [] if dumps else ["--dump_every=0"]
     command = ["train_rl.py", "configs/tiny_rl.py", f"--run_dir={run_dir}", f"--seed={rl_seed}",
                "--deterministic=true", *no_dumps, *policy, *extra]

@@ -52,7 +52,8 @@ def read_records(path):
                     # a last line without its newline: where the writer was when the file was read
                     if not line.endswith("\n"):
                         raise EOFError from None
-                    raise SystemExit(f"view error: {path}:{line_number}: not valid JSON ({e})") from None
+                    where = f"{path}:{line_number}"
+                    raise SystemExit(f"view error: {where}: not valid JSON ({e})") from None
     except EOFError:
         print(f"view: {path} is cut short (still being written, or its writer was stopped): "
               f"its first {len(records)} records", file=sys.stderr)
