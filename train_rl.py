@@ -186,6 +186,10 @@ except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
     raise SystemExit(f"config error: {e}")
 max_len = max_prompt_tokens + max_response_tokens  # the longest trajectory
 rank, world, device = compute_init(seed, dist_timeout_s)
+# runs that repeat bit for bit take torch's deterministic kernels too: on a CPU with threads the backward of
+# model.Qwen.forward's gathers (the shared prompts' keys and values) adds with atomics, in the order the threads
+# come. warn_only: where torch has none (cuBLAS without CUBLAS_WORKSPACE_CONFIG=:4096:8) it warns, not stops
+torch.use_deterministic_algorithms(deterministic, warn_only=True)
 model_path = resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA
@@ -416,7 +420,7 @@ while step < steps:
     kept_positive = []
     for group in keep_groups.tolist():
         # without RoC a group keeps all its samples; with it, RoC picks keep_per_prompt of them by penalty
-        chosen = list(range(n_sample))
+        chosen = range(n_sample)
         if roc:
             for summary in groups[group]:
                 # an "overloaded" call (our sandbox's queue, not the policy) counts in neither side of p_err
@@ -456,7 +460,7 @@ while step < steps:
         # from the lengths alone, so all ranks agree on who trains what
         per_mini = -(-len(kept) // mini_batches)  # len(kept) / mini_batches, rounded up
         # mini-batches as ranges of kept indices, none empty
-        parts = [range(start, min(len(kept), start + per_mini))
+        parts = [range(len(kept))[start:start + per_mini]
                  for start in range(0, len(kept), per_mini)]
         plans = [plan(kept, part) for part in parts]
         # exchange: each trajectory's tokens travel to the one rank that trains it

@@ -162,6 +162,21 @@ def test_the_kl_term_on_two_ranks_repeats_bit_for_bit_and_resumes(sft, tmp_path)
     assert all((m["time/reference"] > 0) == t for m, t in zip(rows[0], trained))
 
 
+def test_a_deterministic_run_repeats_on_two_torch_threads(sft, tmp_path):
+    # deterministic=true repeats bit for bit with two torch threads too. The trajectories of a prompt share its
+    # tokens in a micro-batch (model.Qwen.forward's shared): their attention gathers the prompt's keys and
+    # values, and on a CPU with threads the gather's backward adds into them with atomics, in whatever order the
+    # threads come, unless torch's deterministic kernels are on (without them: 4 runs of 4 differed, by up to
+    # 3e-7 at step 3). Three steps: Adam's first barely shows a gradient's last bits (its update ~ lr x sign).
+    # Micro-batches of 4,096 tokens: enough rows that both threads add into one prompt's places
+    for run_dir in ("a", "b"):
+        rl(sft, tmp_path / run_dir, "--steps=3", "--deterministic=true", "--max_tokens_per_micro=4096",
+           f"--task={sft}/varied.py", env={"OMP_NUM_THREADS": "2"})
+    a, b = weights(tmp_path / "a" / "step_000003"), weights(tmp_path / "b" / "step_000003")
+    assert any(not torch.equal(a[k], weights(sft / "sft")[k]) for k in a)  # the steps trained
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_hub_ids_resolve_offline_and_missing_paths_are_named(sft, tmp_path):
     # a Hugging Face cache as huggingface_hub lays it out, holding the SFT model as "acme/tiny-sft"
     snap = tmp_path / "hub" / "models--acme--tiny-sft" / "snapshots" / "0123abc"

@@ -191,13 +191,13 @@ _shared = []
 
 def run(argv, env=None, timeout=600, ranks=1, torchrun=False):
     """`python argv...` in the repository, on `ranks` processes: children of this test process's zygote; real
-    processes when env (variables added to this one's) is given or torchrun=True (under the real torchrun on
-    ranks > 1). Returns a subprocess.CompletedProcess."""
+    processes when env (variables added to this one's; OMP_NUM_THREADS 1 unless env sets it) is given
+    or torchrun=True (under the real torchrun on ranks > 1). Returns a subprocess.CompletedProcess."""
     if env is not None or torchrun:
         if ranks > 1:
             argv = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *argv]
         return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), timeout=timeout)
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
     if not _shared:
         _shared.append(Zygote())
         atexit.register(_shared[0].close)
