@@ -318,11 +318,11 @@ summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before[
 XEON = "an Intel Xeon with AVX-512 and AMX (2 cores, KVM), 1c65858"
 # EPYC: 52.1% after RL at 5a55352 (before a prompt's tokens ran once in the update, which adds the gradient's sums
 # in another order), 52.6% at 0644795 (micro-batches of 4,096 tokens); at cd3e831 (an SFT that rounds differently)
-# 57.0% and 66.6%
-EPYC = "a 2-core AMD EPYC, 90b074a"
+# 57.0% and 66.6%; 45.8% and 50.8% at 90b074a, whose RL runs drifted with two threads (docs/results.md)
+EPYC = "a 2-core AMD EPYC, bb350ec"
 REFERENCE = {
-    "after SFT": {"the README's 2-core box (CPU model not recorded), 89f3128": 55.0, XEON: 47.4, EPYC: 45.8},
-    f"after GRPO-RoC ({steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 50.8},
+    "after SFT": {"the README's 2-core box (CPU model not recorded), 89f3128": 55.0, XEON: 47.4, EPYC: 53.0},
+    f"after GRPO-RoC ({steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 67.7},
 }
 default_run = seed == 0 and not recover and not any(arg.startswith(("--rl.", "--eval.")) for arg in sys.argv)
 if default_run:
