@@ -52,14 +52,14 @@ def test_the_curves_keep_their_tick_labels_inside_their_frames(tmp_path, monkeyp
 
 
 def test_the_summary_says_where_its_rows_fall_against_earlier_runs(tmp_path, monkeypatch):
-    # the SFT row at 40.0%: 5.8 points under the lowest earlier run; the RL row inside the earlier runs' range
+    # the SFT row at 40.0%: 7.4 points under the lowest earlier run; the RL row inside the earlier runs' range
     made_up_run(tmp_path, 5e-7, sft_acc=0.40)
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}"])
     runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
     text = (tmp_path / "demo" / "summary.md").read_text()
-    assert "- after SFT: 40.0%, 5.8 points outside it (this row's s.e.: 2.0): 45.8-55.0% before" in text, text
-    assert "- after GRPO-RoC (100 steps): 61.1%, inside that range: 50.8-61.6% before" in text, text
+    assert "- after SFT: 40.0%, 7.4 points outside it (this row's s.e.: 2.0): 47.4-55.0% before" in text, text
+    assert "- after GRPO-RoC (100 steps): 61.1%, inside that range: 61.1-67.7% before" in text, text
     # a run with other settings is not compared
     monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", "--eval.samples=2"])
     runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
