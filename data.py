@@ -639,7 +639,7 @@ if __name__ == "__main__":
     # the SFT traces' tool outputs come from the same sandbox RL uses, so the model sees the same texts
     with SandboxPool(timeout=4.0) as pool:
         try:
-                prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
+            prepare(args.out, args.seed, pool.map, data_dir=args.data_dir, n_train=args.n_train,
                     n_heldout=args.n_heldout, n_sft=args.n_sft, max_digits=args.max_digits,
                     max_ops=args.max_ops, error_rate=args.error_rate, bug_kind=args.bug_kind)
         except ValueError as e:  # sizes that cannot be met (more problems than exist)
