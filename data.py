@@ -144,12 +144,12 @@ def make_problems(n, seed, max_digits=6, max_ops=3, exclude=()):
         raise ValueError(f"max_digits and max_ops must be >= 1, got {max_digits} and {max_ops}")
     # every problem there is: k operators (3 kinds) between k + 1 numbers of 10 ** max_digits values
     distinct = sum(3 ** k * (10 ** max_digits) ** (k + 1) for k in range(1, max_ops + 1))
-    if n > distinct - len(set(exclude)):
-        excluded = f", {len(set(exclude))} of them excluded" if exclude else ""
+    seen, problems = set(exclude), []
+    if n > distinct - len(seen):
+        excluded = f", {len(seen)} of them excluded" if seen else ""
         raise ValueError(f"{n} problems asked, but only {distinct} exist with up to {max_digits} digits "
                          f"and {max_ops} operators{excluded}")
     rng = random.Random(seed)
-    seen, problems = set(exclude), []
     while len(problems) < n:
         n_ops = rng.randint(1, max_ops)
         nums = []

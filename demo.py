@@ -265,7 +265,6 @@ if mismatch:  # the engine samples from a bf16 copy, the trainer computes in fp3
     runs["bf16 engine + TIS"] = (f"{root}/tiny-bf16-tis", ["--rollout_dtype=bfloat16", "--tis_cap=2.0"])
 trained = {name: train_rl(d, seed, *extra) for name, (d, extra) in runs.items()}
 runs = {name: d for name, (d, _) in runs.items()}
-steps = rl_steps
 after = {name: evaluate(path, name) for name, path in trained.items()}
 
 # training curves: reward, tool error ratio among positives (Fig. 4), response length; held-out accuracy
@@ -299,7 +298,7 @@ for ax in axes[:3]:  # no "× 10^k + offset" label above an axis: it would sit o
 fig.tight_layout()
 fig.savefig(f"{out}/curves.png", dpi=100)
 
-rows = [("after SFT", before)] + [(f"after {n} ({steps} steps)", a) for n, a in after.items()]
+rows = [("after SFT", before)] + [(f"after {n} ({rl_steps} steps)", a) for n, a in after.items()]
 table = ["| model | held-out avg@k | ± s.e. | pass@k | tool calls / answer | tool error ratio | mean length |",
          "|---|---|---|---|---|---|---|"]
 for name, s in rows:
@@ -322,7 +321,7 @@ XEON = "an Intel Xeon with AVX-512 and AMX (2 cores, KVM), 1c65858"
 EPYC = "a 2-core AMD EPYC, bb350ec"
 REFERENCE = {
     "after SFT": {"the README's 2-core box (CPU model not recorded), 89f3128": 55.0, XEON: 47.4, EPYC: 53.0},
-    f"after GRPO-RoC ({steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 67.7},
+    f"after GRPO-RoC ({rl_steps} steps)": {"the README's 2-core box, 89f3128": 61.6, XEON: 61.1, EPYC: 67.7},
 }
 default_run = seed == 0 and not recover and not any(arg.startswith(("--rl.", "--eval.")) for arg in sys.argv)
 if default_run:

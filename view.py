@@ -40,7 +40,7 @@ from agent import TOOL_ERRORS  # the statuses that count as a failed tool call
 def read_records(path):
     """The records of one .jsonl or .jsonl.gz file. A file cut short (a step's dump still being written, or a
     run killed while writing it) gives its complete records, and a note says so; a bad line is named."""
-    records, line_number = [], 0
+    records = []
     try:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
             for line_number, line in enumerate(f, 1):
@@ -52,8 +52,7 @@ def read_records(path):
                     # a last line without its newline: where the writer was when the file was read
                     if not line.endswith("\n"):
                         raise EOFError from None
-                    where = f"{path}:{line_number}"
-                    raise SystemExit(f"view error: {where}: not valid JSON ({e})") from None
+                    raise SystemExit(f"view error: {path}:{line_number}: not valid JSON ({e})") from None
     except EOFError:
         print(f"view: {path} is cut short (still being written, or its writer was stopped): "
               f"its first {len(records)} records", file=sys.stderr)
