@@ -601,8 +601,9 @@ def _wrapper(mode, view):
     parents = {str(d) for op in view for d in pathlib.PurePath(op[-1]).parents[:-1]}  # all but "/"
     dirs = {d for d in parents if not any(d.startswith(n + "/") for n in names)}
     args = [arg for d in sorted(dirs - set(names)) for arg in ("--dir", d)]
-    mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "symlink": "--symlink"}
-    args += [arg for op in view for arg in ([mounts[op[0]], *op[1:]] if op[0] in mounts else ["--tmpfs", op[1]])]
+    # each op's bwrap option, then its paths (a mask: an empty tmpfs, made read-only below)
+    mounts = {"bind": "--ro-bind", "dev": "--dev-bind", "symlink": "--symlink", "mask": "--tmpfs"}
+    args += [arg for op in view for arg in (mounts[op[0]], *op[1:])]
     ro = [arg for op in view if op[0] == "mask" for arg in ("--remount-ro", op[1])]
     # /proc/keys and /proc/key-users covered: they list the keys of every user a reader's namespace maps (a normal
     # user's own, the trainer's); the syscall filter denies every keyring call
