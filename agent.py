@@ -527,9 +527,9 @@ def sampled_turns(tokenizer, ids, mask):
     return [text for text, m in mask_runs(tokenizer, ids, mask) if m]
 
 
-def _pieces(text):
-    # the turns of a text or a list of sampled turns, each cut into the pieces outside its <tool_call>
-    # blocks (an unclosed one runs to the end of its turn): what an answer may be read from
+def _answers(text):
+    # the contents of the complete <answer> blocks of each turn of a text or a list of sampled turns, read
+    # from the pieces of the turn outside its <tool_call> blocks (an unclosed one runs to the end of its turn)
     out = []
     for turn in [text] if isinstance(text, str) else text:
         pieces = []
@@ -537,25 +537,23 @@ def _pieces(text):
         for a, b in _blocks(turn, "<tool_call>", "</tool_call>"):
             pieces.append(turn[i:a - len("<tool_call>")])
             i = b + len("</tool_call>")
-        out.append(pieces + [turn[i:].split("<tool_call>", 1)[0]])
+        pieces.append(turn[i:].split("<tool_call>", 1)[0])
+        out.append([p[a:b] for p in pieces for a, b in _blocks(p, "<answer>", "</answer>")])
     return out
 
 
 def count_answers(text):
     """Number of complete <answer>...</answer> blocks outside tool calls, over all the turns of a text or a
     list of sampled turns (the paper allows one: RoC's p_format counts the extra ones of the trajectory)."""
-    return sum(1 for turn in _pieces(text)
-               for p in turn
-               for _ in _blocks(p, "<answer>", "</answer>"))
+    return sum(len(blocks) for blocks in _answers(text))
 
 
 def answer_block(text):
     """The content of the last <answer> block of the final turn (a text is one turn; of a list of sampled
     turns, the last), outside its tool calls; else None. An answer written in an earlier turn, or in a tool
     call's code, is not the final answer."""
-    final = (_pieces(text) or [[]])[-1]
-    blocks = [p[a:b] for p in final for a, b in _blocks(p, "<answer>", "</answer>")]
-    return blocks[-1] if blocks else None
+    final = (_answers(text) or [[]])[-1]
+    return final[-1] if final else None
 
 
 def extract_answer(text):
