@@ -124,10 +124,9 @@ def main(cfg):
     os.dup2(null, 2)
     # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
     for line in req:
-        # the request: code, stdin, timeout
-        r = json.loads(line)
-        # run it from nothing in a forked child (_call), then answer with its Result's fields
-        out = _call(r["code"], r["stdin"], r["timeout"], cfg, vm)
+        # the request ({"code", "stdin", "timeout"}: _call's own arguments), run from nothing in a forked child;
+        # the answer is its Result's fields
+        out = _call(**json.loads(line), cfg=cfg, vm=vm)
         rep.write(json.dumps(out) + "\n")
     if cfg["mode"] == "none":
         shutil.rmtree(os.path.dirname(cfg["tmp"]), ignore_errors=True)  # on the host's /tmp
@@ -267,7 +266,7 @@ def _call(code, stdin, timeout, cfg, vm):
         shutil.rmtree(tmp, ignore_errors=True)
     # 6) decide the status (the rules are in sandbox.py's docstring)
     # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
-    ctl_status, has_value, value = outputs[2].rpartition("\0")[2].partition("\n")
+    ctl_status, _, value = outputs[2].rpartition("\0")[2].partition("\n")
     note, cpu = "", usage.ru_utime + usage.ru_stime
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     # the cgroup's cap: the kernel killed one of its processes, and we the rest
@@ -288,7 +287,7 @@ def _call(code, stdin, timeout, cfg, vm):
              for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
     stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
     return {"status": status, "stdout": outputs[0], "stderr": stderr,
-            "value": value if has_value else "", "duration": duration}
+            "value": value, "duration": duration}
 
 
 def _start_init():
@@ -429,12 +428,10 @@ def _child(code, deadline, timeout, cfg, vm, fds):
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code
         sys.modules["__main__"] = main
-        status, value, stdout_kept = "ok", None, True
+        status, value, stdout_kept = "ok", "", True
         signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 1e-3))  # -> _deadline
         try:
-            value = _run_as_release(code, main.__dict__)
-            if value is not None:
-                value = value[:cfg["output_cap"]]
+            value = _run_as_release(code, main.__dict__) or ""
             exit_code = 0
         except SystemExit as e:
             # not caught by the release's harness either: python3 exits as usual
@@ -465,7 +462,7 @@ def _child(code, deadline, timeout, cfg, vm, fds):
         for f in (sys.stdout, sys.stderr, sys.__stdout__) if stdout_kept else (sys.stderr,):
             with contextlib.suppress(BaseException):
                 f.flush()
-        msg = ("\0" + status + ("" if value is None else "\n" + value)).encode(errors="backslashreplace")
+        msg = ("\0" + status + "\n" + value[:cfg["output_cap"]]).encode(errors="backslashreplace")
         # the last word on fd 3, written whole (a pipe may take it in parts)
         while msg:
             msg = msg[os.write(3, msg):]
