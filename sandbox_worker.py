@@ -232,8 +232,9 @@ def _call(code, stdin, timeout, cfg, vm):
     stdin_fd = os.memfd_create("stdin")
     # (its offset stays at 0, where the child reads)
     os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
-    (out_r, out_w), (err_r, err_w), (ctl_r, ctl_w) = os.pipe(), os.pipe(), os.pipe()
-    child_fds = (stdin_fd, out_w, err_w, ctl_w)  # its 0, 1, 2 and 3
+    # the pipes' read ends (ours) and write ends (the child's), each in the order stdout, stderr, last word
+    reads, writes = zip(os.pipe(), os.pipe(), os.pipe())
+    child_fds = (stdin_fd, *writes)  # its 0, 1, 2 and 3
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init() if isolated else None
@@ -250,7 +251,7 @@ def _call(code, stdin, timeout, cfg, vm):
     for fd in child_fds:
         os.close(fd)
     # 4) collect its output until it exits or its deadline passes
-    outputs, dropped, timed_out = _collect(pid, (out_r, err_r, ctl_r), t0 + timeout + LAST_WORDS, cfg)
+    outputs, dropped, timed_out = _collect(pid, reads, t0 + timeout + LAST_WORDS, cfg)
     # 5) end it: killing the init ends every process of the namespace; unmounting its tmpfs frees its files
     if isolated:
         os.kill(init, signal.SIGKILL)
