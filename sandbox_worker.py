@@ -240,11 +240,14 @@ def _call(code, stdin, timeout, cfg, vm):
     init = _start_init() if isolated else None
     # the child inherits our stdio wrappers (it makes its own): nothing of ours in them
     sys.stdout.flush(), sys.stderr.flush()
+    # the CPU seconds each of its processes may use (RLIMIT_CPU): the wall deadline normally fires first; this is
+    # the backstop
+    cpu_limit = math.ceil(timeout) + 1
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         # no return
-        _child(code, t0 + timeout, timeout, cfg, vm, child_fds)
+        _child(code, t0 + timeout, cpu_limit, cfg, vm, child_fds)
     if isolated:
         # our next children are in our namespace again
         _check(libc.setns(cfg["pid_ns"], CLONE_NEWPID), "setns")
@@ -275,7 +278,7 @@ def _call(code, stdin, timeout, cfg, vm):
         status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
     elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
-    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= math.ceil(timeout) + 1):
+    elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= cpu_limit):
         status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
     elif sig is not None:
         name = signal.Signals(sig).name if sig in signal.valid_signals() and sig < signal.SIGRTMIN else sig
@@ -363,7 +366,7 @@ def _collect(pid, fds, deadline, cfg):
     return [bufs[fd].decode(errors="replace") for fd in fds], [dropped[fd] for fd in fds[:2]], timed_out and not exited
 
 
-def _child(code, deadline, timeout, cfg, vm, fds):
+def _child(code, deadline, cpu_limit, cfg, vm, fds):
     """The forked child: lock down, then run `code` as __main__, as the release's harness runs it
     (_run_as_release). Never returns into the worker.
     (_prepare_calls did the rest once: environment, no_new_privs, signals, argv.)"""
@@ -393,10 +396,11 @@ def _child(code, deadline, timeout, cfg, vm, fds):
         os.setsid()
         # with a cgroup, the worker's own RLIMIT_NPROC (no tighter count by uid)
         nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1] if cfg["cgroups"] else NPROC
-        # CPU: the wall deadline normally fires first; this is the backstop
-        for res, v in ((resource.RLIMIT_AS, vm + cfg["memory"]), (resource.RLIMIT_NPROC, nproc),
-                       (resource.RLIMIT_CPU, math.ceil(timeout) + 1), (resource.RLIMIT_CORE, 0),
-                       (resource.RLIMIT_FSIZE, cfg["memory"]), (resource.RLIMIT_NOFILE, NOFILE)):
+        # its limits: address space, processes, CPU seconds, no core file, file size, open files
+        limits = {resource.RLIMIT_AS: vm + cfg["memory"], resource.RLIMIT_NPROC: nproc,
+                  resource.RLIMIT_CPU: cpu_limit, resource.RLIMIT_CORE: 0,
+                  resource.RLIMIT_FSIZE: cfg["memory"], resource.RLIMIT_NOFILE: NOFILE}
+        for res, v in limits.items():
             # CPU: SIGXCPU, then SIGKILL
             resource.setrlimit(res, (v, v + (res == resource.RLIMIT_CPU)))
         # first in line when memory runs out, never the worker; written while we may still pin it (as root the worker
