@@ -310,7 +310,7 @@ class SandboxPool:
 
     def map(self, items, timeout=None):
         """Synchronous helper: items are (code, stdin) pairs or code strings; results in order."""
-        futures = [self.submit(*((it, "") if isinstance(it, str) else it), timeout=timeout) for it in items]
+        futures = [self.submit(*([it] if isinstance(it, str) else it), timeout=timeout) for it in items]
         return [future.result() for future in futures]
 
     def submit(self, code, stdin="", timeout=None):
@@ -384,10 +384,12 @@ class SandboxPool:
                 break
             _, line, future, timeout, rich = call
             proc, start, result = procs[rich], time.monotonic(), None
+            # the worker answers by then, or it counts as wedged
+            deadline = start + timeout + GRACE
             # a broken pipe (it died) or a garbled reply
             with contextlib.suppress(OSError, ValueError, TypeError):
-                write_all(proc.stdin.fileno(), line, start + timeout + GRACE)
-                reply = read_line(proc.stdout.fileno(), proc.buf, start + timeout + GRACE)
+                write_all(proc.stdin.fileno(), line, deadline)
+                reply = read_line(proc.stdout.fileno(), proc.buf, deadline)
                 if reply is not None:
                     result = Result(**json.loads(reply))
             # died, or no answer in time: answer the call, stop the worker (replaced above)
