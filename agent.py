@@ -529,15 +529,12 @@ def sampled_turns(tokenizer, ids, mask):
 
 def _answers(text):
     # the contents of the complete <answer> blocks of each turn of a text or a list of sampled turns, read
-    # from the pieces of the turn outside its <tool_call> blocks (an unclosed one runs to the end of its turn)
+    # from the pieces of the turn outside its <tool_call> blocks: what comes before the first, and after each
+    # call's first </tool_call> (an unclosed call runs to the end of its turn)
     out = []
     for turn in [text] if isinstance(text, str) else text:
-        pieces = []
-        i = 0
-        for a, b in _blocks(turn, "<tool_call>", "</tool_call>"):
-            pieces.append(turn[i:a - len("<tool_call>")])
-            i = b + len("</tool_call>")
-        pieces.append(turn[i:].split("<tool_call>", 1)[0])
+        before, *calls = turn.split("<tool_call>")
+        pieces = [before] + [call.partition("</tool_call>")[2] for call in calls]
         out.append([p[a:b] for p in pieces for a, b in _blocks(p, "<answer>", "</answer>")])
     return out
 
