@@ -528,9 +528,9 @@ def sampled_turns(tokenizer, ids, mask):
 
 
 def _answers(text):
-    # the contents of the complete <answer> blocks of each turn of a text or a list of sampled turns, read
-    # from the pieces of the turn outside its <tool_call> blocks: what comes before the first, and after each
-    # call's first </tool_call> (an unclosed call runs to the end of its turn)
+    # the contents of the complete <answer> blocks of each turn of a text or a list of sampled
+    # turns, read from the pieces of the turn outside its <tool_call> blocks: what comes before the
+    # first, and after each call's first </tool_call> (an unclosed call runs to the end of its turn)
     out = []
     for turn in [text] if isinstance(text, str) else text:
         before, *calls = turn.split("<tool_call>")

@@ -124,8 +124,8 @@ def main(cfg):
     os.dup2(null, 2)
     # the serving loop, one call a line; the pool closing our stdin ends it (and, as pid 1, the namespace)
     for line in req:
-        # the request ({"code", "stdin", "timeout"}: _call's own arguments), run from nothing in a forked child;
-        # the answer is its Result's fields
+        # the request ({"code", "stdin", "timeout"}: _call's own arguments), run from nothing in a
+        # forked child; the answer is its Result's fields
         out = _call(**json.loads(line), cfg=cfg, vm=vm)
         rep.write(json.dumps(out) + "\n")
     if cfg["mode"] == "none":
@@ -232,7 +232,8 @@ def _call(code, stdin, timeout, cfg, vm):
     stdin_fd = os.memfd_create("stdin")
     # (its offset stays at 0, where the child reads)
     os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
-    # the pipes' read ends (ours) and write ends (the child's), each in the order stdout, stderr, last word
+    # the pipes' read ends (ours) and write ends (the child's), each in the order stdout, stderr,
+    # last word
     reads, writes = zip(os.pipe(), os.pipe(), os.pipe())
     child_fds = (stdin_fd, *writes)  # its 0, 1, 2 and 3
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
@@ -240,8 +241,8 @@ def _call(code, stdin, timeout, cfg, vm):
     init = _start_init() if isolated else None
     # the child inherits our stdio wrappers (it makes its own): nothing of ours in them
     sys.stdout.flush(), sys.stderr.flush()
-    # the CPU seconds each of its processes may use (RLIMIT_CPU): the wall deadline normally fires first; this is
-    # the backstop
+    # the CPU seconds each of its processes may use (RLIMIT_CPU): the wall deadline normally fires
+    # first; this is the backstop
     cpu_limit = math.ceil(timeout) + 1
     t0 = time.monotonic()
     pid = os.fork()
