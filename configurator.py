@@ -15,7 +15,6 @@ line that names it; so does a value outside the ranges an entry script states wi
 """
 import ast
 import difflib
-import io
 import os
 import re
 import sys
@@ -75,21 +74,19 @@ def key_comments(path):
     """{key: the comment beside its default} in a script's `key = value  # comment` lines (the first assignment
     of each key), each with the comment-only lines right below it that continue it, indented after their #
     (`#      more`), for --help."""
-    source = open(path, encoding="utf-8").read()
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    comments = {tok.start[0]: tok.string for tok in tokens if tok.type == tokenize.COMMENT}
-    lines = source.splitlines()
+    tokens = tokenize.generate_tokens(open(path, encoding="utf-8").readline)
+    # {line number: its comment token}, whose .line is the whole line it sits on
+    comments = {tok.start[0]: tok for tok in tokens if tok.type == tokenize.COMMENT}
     out = {}
-    for lineno, line in enumerate(lines, 1):
-        assigned = re.match(r"\s*([A-Za-z_]\w*)\s*=[^=]", line)
-        if not assigned or assigned[1] in out or lineno not in comments:
+    for lineno, comment in comments.items():
+        assigned = re.match(r"\s*([A-Za-z_]\w*)\s*=[^=]", comment.line)
+        if not assigned or assigned[1] in out:
             continue
-        text = comments[lineno][1:].strip()
+        text = comment.string[1:].strip()
         # the comment-only lines right below that continue it
-        while (lines[lineno].lstrip().startswith("#  ")
-               and comments.get(lineno + 1, "").startswith("#  ")):
+        while lineno + 1 in comments and comments[lineno + 1].line.lstrip().startswith("#  "):
             lineno += 1
-            text += " " + comments[lineno][1:].strip()
+            text += " " + comments[lineno].string[1:].strip()
         out[assigned[1]] = text
     return out
 
