@@ -165,10 +165,10 @@ def task_metrics(summaries, task_of):
     metrics = {}
     for name in sorted({task_of(summary) for summary in summaries}):
         mine = [summary for summary in summaries if task_of(summary) == name]
-        calls = [status for summary in mine for status in summary.call_statuses]
         metrics[f"task/{name}/reward"] = sum(summary.reward for summary in mine) / len(mine)
         metrics[f"task/{name}/correct"] = sum(summary.correct for summary in mine) / len(mine)
-        metrics[f"task/{name}/tool_err"] = agent.failed_share(calls)
+        # the task's own tool/err
+        metrics[f"task/{name}/tool_err"] = rollout_metrics(mine)["tool/err"]
     return metrics
 
 
