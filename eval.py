@@ -334,17 +334,18 @@ if __name__ == "__main__":
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     # each prompt tokenized once, then shared by its samples
     prompt_ids = grading.tokenize_prompts(problems, task_module, tokenizer)
-    too_long = [i for i, p in enumerate(prompt_ids) if len(p) > max_prompt_tokens]
+    # which prompts fit in max_prompt_tokens, and how many do not
+    fits = [len(ids) <= max_prompt_tokens for ids in prompt_ids]
+    too_long = fits.count(False)
     if too_long and not (keep_unsolved or keep_solved):
-        raise SystemExit(f"eval error: {len(too_long)} prompt(s) longer than "
-                         f"max_prompt_tokens={max_prompt_tokens} (first: problem {too_long[0]} "
-                         f"of {data_path}); raise --max_prompt_tokens")
+        raise SystemExit(f"eval error: {too_long} prompt(s) longer than max_prompt_tokens="
+                         f"{max_prompt_tokens} (first: problem {fits.index(False)} of "
+                         f"{data_path}); raise --max_prompt_tokens")
     # the stage-3 filter: training skips these prompts, so they are not part of the hard subset
     if too_long:
-        problems = [problem for problem, ids in zip(problems, prompt_ids)
-                    if len(ids) <= max_prompt_tokens]
-        prompt_ids = [ids for ids in prompt_ids if len(ids) <= max_prompt_tokens]
-        print0(f"{len(too_long)} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
+        problems = list(itertools.compress(problems, fits))
+        prompt_ids = list(itertools.compress(prompt_ids, fits))
+        print0(f"{too_long} prompt(s) longer than max_prompt_tokens={max_prompt_tokens} "
                "skipped, as train_rl.py skips them")
     # (no dropout in the model: nothing to switch to eval mode)
     model = load_model(model_path, device=device, dtype=getattr(torch, dtype))
