@@ -251,9 +251,10 @@ def adv_group_std(rewards, eps=1e-6):
 def adv_batch_std(rewards, eps=1e-6):
     """rewards (num_groups, G) -> advantages (num_groups, G): centred per group, scaled by the std of all the
     centred values of the batch (REINFORCE++'s global normalisation): every group's advantages are on one scale,
-    a nearly uniform group stays small."""
+    a nearly uniform group stays small. advantages() passes G >= 2: the std is over two values at
+    least."""
     centred = adv_group_mean(rewards)
-    return centred / (centred.std() + eps) if centred.numel() > 1 else centred
+    return centred / (centred.std() + eps)
 
 
 # the adv_scale key's values
