@@ -307,14 +307,13 @@ if __name__ == "__main__":
     # a collective waiting longer raises (a rank died or hangs); see common.compute_init
     dist_timeout_s = 1800
     cfg = configure(globals())
-    # the ranges of the settings
-    require(globals(), "samples >= 1", "limit >= 0", "not keep_solved or 0 <= keep_min_correct <= samples",
+    # the two paths must be given; the ranges of the settings
+    require(globals(), "model_path and data_path", "samples >= 1", "limit >= 0",
+            "not keep_solved or 0 <= keep_min_correct <= samples",
             "max_response_tokens >= 1", "max_turns >= 1", "max_calls_per_turn >= 1", "tool_max_chars >= 2",
             "temperature >= 0", "0 < top_p <= 1")
 
     rank, world, device = compute_init(seed, dist_timeout_s)
-    if not model_path or not data_path:
-        raise SystemExit("eval error: give --model_path=DIR and --data_path=FILE.jsonl (or a config that sets them)")
     model_path = resolve_model(model_path)
     # a run directory: its newest weights
     if not os.path.isfile(f"{model_path}/config.json"):
