@@ -75,6 +75,7 @@ Deviations from plain GRPO, and where the paper and the released code differ (bo
 - dual_clip (verl's default c = 3.0, not in the paper) is off unless asked for.
 """
 
+import collections
 import math
 
 import torch
@@ -311,9 +312,9 @@ def loss_weights(sampled, questions, norm, max_tokens=None):
     if norm == "token":
         return [1.0] * s
     if norm == "group":
-        size = {}
+        size = collections.Counter()
         for q, k in zip(questions, sampled):
-            size[q] = size.get(q, 0) + k
+            size[q] += k
         return [n / (len(size) * size[q]) for q in questions]
     if norm == "sequence":
         return [n / (s * max(k, 1)) for k in sampled]
