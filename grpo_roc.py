@@ -220,7 +220,7 @@ def roc_released(pos, neg, pos_penalties, G, min_pos, min_neg):
             f"the released RoC rule cannot split {n_pos} positives / {n_neg} negatives into "
             f"G={G} (got {k_pos} + {k_neg}); use an even G or mode='sample'")
 
-    return pos[torch.sort(pos_penalties, stable=True).indices[:k_pos]], neg[:k_neg]
+    return pos[pos_penalties.argsort(stable=True)[:k_pos]], neg[:k_neg]
 
 
 def positives(rewards):
