@@ -441,10 +441,11 @@ def mismatch(trainer_logprobs, engine_logprobs, mask):
     """
     mask = mask.bool()
     d = torch.where(mask, trainer_logprobs - engine_logprobs, 0.0)  # (B, T)
+    abs_d = d.abs()  # (B, T)
     # d is 0 off the mask, where |d|, e^d - 1 - d and (|d| > log 2) are 0 too: the sums and the max over all of it
     # are those over the mask (the max 0 with no mask-1 token)
-    return {"abs": d.abs().sum(), "max": d.abs().max(), "k3": (d.exp() - 1 - d).sum(),
-            "out": (d.abs() > math.log(2)).sum(), "n": mask.sum()}
+    return {"abs": abs_d.sum(), "max": abs_d.max(), "k3": (d.exp() - 1 - d).sum(),
+            "out": (abs_d > math.log(2)).sum(), "n": mask.sum()}
 
 
 def tis_weights(trainer_logprobs, engine_logprobs, cap):
