@@ -100,7 +100,7 @@ def configure(g, argv=None):
     verbose = int(os.environ.get("RANK", "0")) == 0
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
-        comments = key_comments(g["__file__"]) if g.get("__file__") else {}
+        comments = key_comments(g["__file__"]) if "__file__" in g else {}
         for key, default in defaults.items():
             print(f"  --{key}={default!r}  ({type(default).__name__})"
                   + (f"  {comments[key]}" if key in comments else ""))
