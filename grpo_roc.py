@@ -181,8 +181,9 @@ def roc_sample(pos, neg, pos_penalties, G, generator, eps):
     k_neg = len(neg) // 2
     k_pos = G - k_neg
     neg_keep = neg[torch.randperm(len(neg), generator=generator)[:k_neg]]
+    # k_pos = 0 only when all 2G are negatives: pos is empty, and multinomial cannot draw 0
     if k_pos == 0:
-        return pos[:0], neg_keep
+        return pos, neg_keep
     # (n_pos,) float64: 1/eps must not swamp the rest
     weights = 1.0 / (pos_penalties.double() + eps)
     return pos[torch.multinomial(weights, k_pos, replacement=False, generator=generator)], neg_keep
