@@ -97,7 +97,8 @@ def configure(g, argv=None):
     # the config keys g holds: its public plain values, whose types the overrides must match
     defaults = {key: value for key, value in g.items()
                 if not key.startswith("_") and isinstance(value, SIMPLE)}
-    verbose = int(os.environ.get("RANK", "0")) == 0
+    # the values are echoed by rank 0 only (RANK is unset without torchrun)
+    verbose = os.environ.get("RANK", "0") == "0"
     if "--help" in argv or "-h" in argv:
         print((g.get("__doc__") or "").strip() + "\n\nconfig keys (override with --key=value):")
         comments = key_comments(g["__file__"]) if "__file__" in g else {}
