@@ -9,7 +9,7 @@ trajectory, the task's environment(row), never in this module:
     TOOLS["move"]      agent.Tool(stateful=True): the engine calls run_move(arguments, that trajectory's GridWorld)
     grade(...)         reads the GridWorld's final state (where the walk ended, how many moves it took), not the
                        text: reward = shortest path / moves taken when the goal was reached, else 0; correct =
-                       the goal was reached
+                       the goal was reached (a row whose start is its goal: 1.0, reached in no moves)
     GridWorld.close()  runs when the trajectory ends, however it ends (an answer, the budget, the turn limit, an
                        exception in the step): no move is accepted after it
 
@@ -108,6 +108,9 @@ def grade(row, pred, turns, grader, trajectory):
     world = trajectory.environment
     if world.position != world.goal:
         return 0.0, False
+    # a row whose start is its goal is reached in no moves, as few as it can be (its shortest walk is 0 moves)
+    if world.moves == 0:
+        return 1.0, True
     return world.shortest / world.moves, True
 
 
@@ -168,7 +171,8 @@ def trace(row, rng):
         return [{"role": "assistant", "content": f"<reason>I move {direction}.</reason>",
                  "tool_calls": [{"type": "function", "function": fn}]}, {"role": "tool", "content": None}]
     messages, start = [{"role": "user", "content": row["question"]}], row["start"]
-    if rng.random() < 0.25:  # a detour: one step that is not on a shortest path, then the shortest from there
+    # a detour: one step that is not on a shortest path, then the shortest from there (none at the goal already)
+    if rng.random() < 0.25 and row["start"] != row["goal"]:
         detour = rng.choice([d for d in DIRECTIONS if d not in shortest_path(row)[:1]])
         world = GridWorld(row)
         world.move(detour)

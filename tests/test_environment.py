@@ -227,6 +227,17 @@ def test_grid_traces_come_from_the_real_environment():
     assert any(step != GRID.shortest_path(row)[0] for step, row in zip(first, rows))
 
 
+def test_a_row_that_starts_at_its_goal_is_reached_in_no_moves():
+    # a user's row whose start is its goal: the walk is over before it starts, as short as a walk can be
+    row = dict(ROW, start=[2, 0])
+    world = GRID.environment(row)
+    assert world.move("up").status == "error" and world.moves == 0
+    assert GRID.grade(row, "(2, 0)", [], None, types.SimpleNamespace(environment=world)) == (1.0, True)
+    # its traces answer at once: no detour into a call the environment refuses
+    traces = data.task_traces(GRID, [row] * 8, random.Random(0), sandbox=None)
+    assert all([m["role"] for m in t["messages"]] == ["user", "assistant"] for t in traces)
+
+
 # ----------------------------------------------------------------------------- the worked example, end to end
 
 def script(*args):
