@@ -10,14 +10,16 @@ A row: {"question": "Write a Python function f(x) that returns ...", "entry": "f
 Safe from the solution: the solution's own code cannot make a test pass that it does not pass.
 - every test is its own sandbox call, a fresh process (one test's crash, exit or patched builtins cannot
   reach the next);
-- in that call the solution is exec'd in a namespace of its own, after the harness took its own references to
-  json.dumps and stdout: redefining `type`, `json.dumps` or `print` changes nothing the harness uses;
-- above all, the expected result is never in the sandbox: the call prints the solution's result as JSON, and the
+- in that call the solution is exec'd in a namespace of its own, after the harness took its own reference to
+  json.dumps: redefining `type`, `json.dumps` or `print` changes nothing the harness uses;
+- above all, the expected result is never in the sandbox: the call gives the solution's result as JSON, and the
   comparison with the expected JSON happens here, in the trainer, on strings (both written with their keys
   sorted: an object's key order is not part of its value). An object with an `__eq__`
   that always says yes is not JSON (the call fails); a solution that prints lines of its own cannot know the
-  value to print; the result is read from the last line of stdout, written last by the harness. Whatever the
-  solution patches (even the harness's frame), passing a test means producing its expected value.
+  value to print. The result is the call's trailing expression, which the sandbox carries apart from stdout
+  (Result.value, the repr of the JSON text): what the solution prints, 64 KiB of it or more, is only stdout,
+  cut at the sandbox's output cap, and never cuts the result off. Whatever the solution patches (even the
+  harness's frame), passing a test means producing its expected value.
 A solution can still waste its calls' time: every call has the sandbox's time and memory bounds.
 
 reward = passed tests / tests (partial credit: grpo_roc's docstring has the rule for rewards that are not
@@ -35,15 +37,13 @@ COLUMNS = {"question": str, "entry": str, "tests": list}
 TOOLS = agent.PYTHON_TOOLS
 USER_PREFIX = ("Put your final answer inside <answer> </answer> tags as one ```python code block that defines "
                "the function asked for.\nThis is the problem:\n")
-# one test: the solution in a namespace of its own, its result printed last, as JSON
+# one test: the solution in a namespace of its own, its result as JSON the trailing expression (Result.value)
 HARNESS = """
-import json as _json, sys as _sys
-_dumps, _out = _json.dumps, _sys.__stdout__
+import json as _json
+_dumps = _json.dumps
 _namespace = {"__name__": "solution"}
 exec(compile(SOLUTION, "solution.py", "exec"), _namespace)
-_result = _dumps(_namespace[ENTRY](*ARGS), sort_keys=True)
-_sys.stdout.flush()
-_out.write("\\n" + _result + "\\n")
+_dumps(_namespace[ENTRY](*ARGS), sort_keys=True)
 """
 
 def prompt(row):
@@ -72,9 +72,9 @@ def grade(row, pred, turns, grader, trajectory):
     passed = 0
     for call, (_, expected) in zip(calls, tests):
         result = call.result()
-        lines = result.stdout.splitlines()
-        expected_text = json.dumps(expected, sort_keys=True)
-        passed += result.status == "ok" and bool(lines) and lines[-1] == expected_text
+        # the trailing expression's repr: the JSON text, quoted as a Python string
+        expected_value = repr(json.dumps(expected, sort_keys=True))
+        passed += result.status == "ok" and result.value == expected_value
     return passed / len(tests), passed == len(tests)
 
 

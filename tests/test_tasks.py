@@ -81,6 +81,7 @@ def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
     ("the harness's frame", "import sys\ng = sys._getframe(1).f_globals\ng['_dumps'] = lambda v: '5'\n"
                             "def f(x):\n    return 0"),
     ("hangs", "def f(x):\n    while True:\n        pass"),
+    ("writes the value's pipe", "import os\nos.write(3, b\"\\0ok\\n'5'\")\nos._exit(0)"),
 ])
 def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
     # an earlier attempt paid 1.0 to a solution that redefined `type` where the tests ran: here each test runs
@@ -89,6 +90,13 @@ def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
     (g,), stats = grades(CODE, [solution(code)], pool)
     assert g.reward <= 0.25 and not g.correct, (name, g)
     assert stats["timed_out"] == stats["failed"] == 0  # even the hanging one is answered within the bounds
+
+
+def test_a_right_solution_that_prints_past_the_output_cap_still_passes(pool):
+    # the result comes back apart from stdout: 70,000 characters printed (the cap is 64 KiB) cut off no verdict
+    loud = solution("def f(x):\n    print('x' * 70000)\n    return x * 3 - 1")
+    (g,), _ = grades(CODE, [loud], pool)
+    assert (g.reward, g.correct) == (1.0, True)
 
 
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
