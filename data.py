@@ -68,6 +68,7 @@ answers of a strong model match its label) is a run of eval.py with --keep_solve
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -495,6 +496,21 @@ def ngram_hashes(text, n=8):
     return {hash(" ".join(words[i:i + n])) for i in range(max(1, len(words) - n + 1))}
 
 
+@contextlib.contextmanager
+def written_whole(path):
+    """The text file to write `path` through: `path` + ".part", renamed `path` when the block ends; an exception
+    in the block (a bad row, an interrupt) removes the part and goes on up: no half-written file is left."""
+    part_path = path + ".part"
+    try:
+        with open(part_path, "w", encoding="utf-8") as f:
+            yield f
+    except BaseException:
+        if os.path.exists(part_path):
+            os.remove(part_path)
+        raise
+    os.replace(part_path, path)
+
+
 def rl_set(in_paths, bench_paths, out_path, n=8):
     """
     Build the RL problem set: read the candidates of in_paths in order, keep integer answers, drop
@@ -516,7 +532,7 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
     read, kept = {}, {}  # per source file
     seen_exact, seen_spaced = set(), set()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path + ".part", "w", encoding="utf-8") as out:  # renamed when complete: a bad row leaves no OUT
+    with written_whole(out_path) as out:  # a bad row leaves no OUT, whole or half
         for path in in_paths:
             source = os.path.basename(path)
             read[source], kept[source] = read.get(source, 0), kept.get(source, 0)
@@ -543,7 +559,6 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
                 kept[source] += 1
                 out.write(json.dumps({"question": question, "answer": answer, "source": source, **row_id(row)},
                                      ensure_ascii=False) + "\n")
-    os.replace(out_path + ".part", out_path)
     # 3. what each filter removed
     total_read, total_kept = sum(read.values()), sum(kept.values())
     print(f"rl-set: {total_read} candidates from {len(in_paths)} file(s); {n_bench} benchmark problems "

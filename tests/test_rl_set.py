@@ -149,6 +149,7 @@ def test_command_line_and_bad_rows(tmp_path):
     p = run("o.jsonl", "--from", "bad.jsonl", "--decontaminate", *BENCH)
     assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("rl-set error: bad.jsonl:3: no answer")
     assert not (tmp_path / "o.jsonl").exists()  # no half-written output
+    assert not (tmp_path / "o.jsonl.part").exists()  # nor the part it was written to
     (tmp_path / "bench_bad.jsonl").write_text('{"problem": "P", "answer": "1"}\n{"problem": 7, "answer": "1"}\n')
     p = run("o.jsonl", "--from", *SOURCES, "--decontaminate", "bench_bad.jsonl")
     assert p.returncode == 1 and "rl-set error: bench_bad.jsonl:2: the question must be a non-empty string" in p.stderr
