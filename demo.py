@@ -16,7 +16,8 @@ machine. What can still change the digits: another CPU (its kernels round differ
 
 `python demo.py --seeds=5` trains GRPO-RoC and plain GRPO from the same SFT model with RL seeds 0-4, evaluates
 each, and writes the paper's Fig. 4 quantity with 95% intervals over the seeds and of the paired difference:
-out/demo/seeds.md, out/demo/seeds.png, and the numbers of both in out/demo/seeds.json.
+out/demo/seeds.md, out/demo/seeds.png, and the numbers of both in out/demo/seeds.json. Its two arms are its own:
+--compare and --mismatch (the one-seed run's extra arms, below) are refused beside --seeds.
 
 `python demo.py --seeds=5 --recover` is the same study on a variant where RoC has more to select: the default
 SFT model gets one more SFT epoch on traces of the same problems in which 60% of the first calls (not 25%) fail (a
@@ -65,6 +66,13 @@ def value(key, default):
 
 
 seed, n_seeds = int(value("--seed", 0)), int(value("--seeds", 0))
+# the seed study trains its own two arms (GRPO-RoC and plain GRPO) for every seed; --compare and --mismatch add
+# arms to the one-seed run, which the study does not make: a flag it would ignore is refused, not dropped silently
+one_seed_flags = [flag for flag in ("--compare", "--mismatch") if flag in sys.argv]
+if n_seeds and one_seed_flags:
+    sys.exit(f"demo.py: --seeds={n_seeds} and {' '.join(one_seed_flags)} do not go together: the seed study "
+             f"trains GRPO-RoC and plain GRPO for each seed; the arms of {' and '.join(one_seed_flags)} are "
+             "trained in the one-seed run only (without --seeds): give one or the other")
 base = value("--out", "out")  # the default pipeline's data, SFT model and runs
 root = f"{base}/recover" if recover else base  # the recover variant keeps its own data, model and runs
 out = f"{root}/demo"

@@ -1,10 +1,14 @@
 """demo.py's curves.png, drawn from a made-up finished run (every stage's output present, so nothing trains): each
 panel's tick labels are short and sit at ticks inside its frame, at the size the demo writes (issue #46 item 5),
-and summary.md says where its rows fall against what the same command printed before (item 1)."""
+and summary.md says where its rows fall against what the same command printed before (item 1). And --seeds refuses
+the one-seed run's flags it would not use."""
 import json
 import os
 import runpy
+import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,3 +68,15 @@ def test_the_summary_says_where_its_rows_fall_against_earlier_runs(tmp_path, mon
     monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", "--eval.samples=2"])
     runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
     assert "against earlier runs" not in (tmp_path / "demo" / "summary.md").read_text()
+
+
+def test_the_seed_study_refuses_the_one_seed_runs_flags(tmp_path, monkeypatch):
+    # --compare and --mismatch add arms to the one-seed run; with --seeds they were dropped without a word
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail(f"a stage ran: {args}"))
+    for flags in (["--compare"], ["--mismatch"], ["--compare", "--mismatch"]):
+        monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", "--seeds=2", *flags])
+        with pytest.raises(SystemExit) as refused:
+            runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
+        assert f"--seeds=2 and {' '.join(flags)} do not go together" in str(refused.value)
+    assert os.listdir(tmp_path) == []  # refused before any stage ran
