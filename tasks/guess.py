@@ -43,7 +43,10 @@ class Referee:
             raise RuntimeError("the trajectory is over: its environment is closed")
         answer = agent.extract_answer(turn_text)
         digits = grading.plain_int(answer) if answer else None
-        guess = None if digits is None else int(digits)
+        try:
+            guess = None if digits is None else int(digits)
+        except ValueError:  # more digits than int() reads (4,300): no integer from 1 to high either
+            guess = None
         self.guesses.append(guess)
         if guess is None:
             return f"Answer with one integer from 1 to {self.high} in <answer>\\boxed{{}}</answer>."

@@ -436,6 +436,13 @@ def test_a_reply_that_takes_time_is_bounded_like_a_call(tiny):
     assert (trajs[0].response_ids, trajs[0].mask) == (immediate[0].response_ids, immediate[0].mask)
 
 
+def test_a_guess_past_the_digits_int_reads_is_asked_again():
+    # int() refuses a string of more than 4,300 digits: the referee raised, and the whole step with it
+    referee = GUESS.environment(GUESS_ROW)
+    assert referee.respond(guess("9" * 5000)).startswith("Answer with one integer from 1 to 16")
+    assert referee.respond(guess(20)) == "lower" and referee.guesses == [None, 20]
+
+
 def test_referee_rows_preempted_mid_game_ask_each_turn_once(tiny):
     # a KV too small for the three games at once: rows leave it mid-game (parked on a reply or decoding) and are
     # prefilled again; each referee still sees each turn once, and the tokens are those of the roomy run
