@@ -17,7 +17,8 @@ environment answers turns that made no tool call, which is the second half of th
                               search: ceil(log2(high + 1))) / guesses made, at most 1, when the last guess was
                               right, else 0; correct = the number was found
 
-A row: {"question": "...", "secret": 11, "high": 16}; the question says the range and how to answer.
+A row: {"question": "...", "secret": 11, "high": 16}; the question says the range and how to answer. A row whose
+secret is not in 1..high is refused with its question (check()) before a run or trace starts.
 """
 import math
 import random
@@ -63,7 +64,17 @@ def environment(row):
     return Referee(row)
 
 
+def check(row):
+    """A ValueError naming the row when its secret is not in the range its question gives (1..high): no guess by
+    the rules finds it, and trace()'s search would never end. prompt() and trace() check: train_rl.py and eval.py
+    make every prompt before their first step, `data.py traces` traces every row."""
+    if not 1 <= row["secret"] <= row["high"]:
+        raise ValueError(f"guess row {row['question']!r:.80}: its secret {row['secret']} is not in "
+                         f"1..{row['high']}")
+
+
 def prompt(row):
+    check(row)
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
@@ -75,6 +86,7 @@ def trace(row, rng):
     """SFT messages that play the game by binary search, one guess a turn; user messages after the first are
     left None: data.py fills them in with the Referee's real replies (python data.py traces
     --task=tasks/guess.py). A quarter of them open with a random guess instead of the middle."""
+    check(row)
     low, high = 1, row["high"]
     guess = rng.randint(low, high) if rng.random() < 0.25 else (low + high) // 2
     messages = [{"role": "user", "content": row["question"]}]

@@ -443,6 +443,16 @@ def test_a_guess_past_the_digits_int_reads_is_asked_again():
     assert referee.respond(guess(20)) == "lower" and referee.guesses == [None, 20]
 
 
+def test_a_guess_row_whose_secret_is_out_of_its_range_is_refused():
+    # no guess from 1 to 16 finds 20, and the traces' binary search looped forever on it (the prompt is made,
+    # and so checked, first: train_rl.py and eval.py make every prompt before their first step)
+    for secret in (20, 0, -3):
+        row = dict(GUESS_ROW, secret=secret)
+        for make in (GUESS.prompt, lambda row: GUESS.trace(row, random.Random(0))):
+            with pytest.raises(ValueError, match=f"its secret {secret} is not in 1..16"):
+                make(row)
+
+
 def test_referee_rows_preempted_mid_game_ask_each_turn_once(tiny):
     # a KV too small for the three games at once: rows leave it mid-game (parked on a reply or decoding) and are
     # prefilled again; each referee still sees each turn once, and the tokens are those of the roomy run
