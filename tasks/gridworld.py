@@ -17,7 +17,8 @@ A row: {"question": "...", "size": 4, "start": [0, 0], "goal": [2, 3], "walls": 
 says all of it (`python data.py grid-set` writes a tiny set). Positions are (x, y): "right" adds 1 to x, "up"
 adds 1 to y. A move into a wall or off the grid leaves the walker where it is, and is answered so ("blocked");
 the move count counts it. A move with an unknown direction, or after the goal was reached, is a failed call
-(status "error": p_err and tool/err count it).
+(status "error": p_err and tool/err count it). A row that cannot be walked (its goal walled off, a position off
+the grid or not [x, y]) is refused with its question (check()) before a run or trace starts.
 
 SFT traces from the real environment: `python data.py traces --task=tasks/gridworld.py` runs trace()'s moves
 through a GridWorld of each row, so every tool message is what the environment answered.
@@ -96,7 +97,30 @@ def environment(row):
     return GridWorld(row)
 
 
+def check(row):
+    """A ValueError naming the row when it cannot be walked: start, goal and walls each [x, y], two integers; start
+    and goal inside the grid, the start off the walls, the goal reachable from it (the reward's yardstick is the
+    shortest walk). prompt() and trace() check: train_rl.py and eval.py make every prompt before their first step
+    (a row that failed only when its trajectory began ended the run there), `data.py traces` traces every row."""
+    where = f"grid row {row['question']!r:.80}"
+    cells = [row["start"], row["goal"], *row["walls"]]
+    two_ints = [isinstance(cell, list) and len(cell) == 2 and all(type(c) is int for c in cell)
+                for cell in cells]
+    if not all(two_ints):
+        raise ValueError(f"{where}: start, goal and each wall must be [x, y], two integers")
+    size = row["size"]
+    if not all(0 <= c < size for c in row["start"] + row["goal"]):
+        raise ValueError(f"{where}: start {row['start']} and goal {row['goal']} must be inside the "
+                         f"{size} x {size} grid")
+    if row["start"] in row["walls"]:
+        raise ValueError(f"{where}: the start {row['start']} is a wall")
+    if shortest_path(row) is None:
+        raise ValueError(f"{where}: no walk reaches the goal {row['goal']} from the start "
+                         f"{row['start']}")
+
+
 def prompt(row):
+    check(row)
     return agent.prompt_text(row["question"], tools=TOOLS)
 
 
@@ -166,6 +190,7 @@ def trace(row, rng):
     """SFT messages that walk a shortest path, one move a turn; a quarter of them first step the wrong way and
     then go on from where that move left them (so a move is chosen from the last observation). Tool messages are
     left None: data.py fills them in with the environment's real answers."""
+    check(row)
     def call(direction):
         fn = {"name": "move", "arguments": {"direction": direction}}
         return [{"role": "assistant", "content": f"<reason>I move {direction}.</reason>",

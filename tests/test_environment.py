@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import random
+import re
 import threading
 import time
 import types
@@ -236,6 +237,21 @@ def test_a_row_that_starts_at_its_goal_is_reached_in_no_moves():
     # its traces answer at once: no detour into a call the environment refuses
     traces = data.task_traces(GRID, [row] * 8, random.Random(0), sandbox=None)
     assert all([m["role"] for m in t["messages"]] == ["user", "assistant"] for t in traces)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"walls": [[1, 0], [0, 1]]}, "no walk reaches the goal [2, 0]"),  # walled in at the start
+    ({"goal": [4, 0]}, "must be inside the 4 x 4 grid"),
+    ({"start": [1, 0]}, "the start [1, 0] is a wall"),
+    ({"walls": [[1]]}, "each wall must be [x, y], two integers"),
+])
+def test_a_grid_row_that_cannot_be_walked_is_refused(change, words):
+    # a walled-off goal made GridWorld raise TypeError when a trajectory began, in the middle of a run; now its
+    # prompt (made for every row before the first step) and its traces refuse it, naming its question
+    row = dict(ROW, **change)
+    for make in (GRID.prompt, lambda row: GRID.trace(row, random.Random(0))):
+        with pytest.raises(ValueError, match=f"grid row 'You are at .*: .*{re.escape(words)}"):
+            make(row)
 
 
 # ----------------------------------------------------------------------------- the worked example, end to end
