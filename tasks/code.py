@@ -82,8 +82,8 @@ def vote(row, pred, trajectory):
     """What maj@k groups a sample by: the solution's syntax tree, without its layout, comments and docstrings,
     with every name it binds (arguments, variables, helper functions; not the entry point) renamed in the order
     the tree is walked; a 16-hex-digit digest of it (a Summary crosses ranks). So two samples that are one
-    program written with other names, spacing or comments get one vote; a solution that is not Python votes on
-    its text with spaces collapsed. None (no answer): no vote.
+    program written with other names, spacing or comments get one vote; a solution that is not Python (or too
+    deep a tree to write out) votes on its text with spaces collapsed. None (no answer): no vote.
     Not its behaviour on the tests' inputs, which would group more programs (x * 2 and x + x): the grade runs
     those inputs, but what they printed is not kept where eval reads it (the grade returns a reward and a
     verdict), and running them again here (vote() runs right after grade(), on the grader's threads) would
@@ -112,4 +112,8 @@ def vote(row, pred, trajectory):
             node.id = renamed.get(node.id, node.id)
         elif isinstance(node, ast.FunctionDef):
             node.name = renamed.get(node.name, node.name)
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+    try:
+        dumped = ast.dump(tree)
+    except RecursionError:  # parsed, but deeper than ast.dump recurses (a sum of ~1,000 terms and more)
+        return " ".join(pred.split())
+    return hashlib.sha256(dumped.encode()).hexdigest()[:16]

@@ -99,6 +99,14 @@ def test_a_right_solution_that_prints_past_the_output_cap_still_passes(pool):
     assert (g.reward, g.correct) == (1.0, True)
 
 
+def test_a_right_solution_too_deep_for_its_vote_keeps_its_reward(pool):
+    # 1,500 terms parse, but ast.dump recursed past the limit: vote() raised after the tests passed, and the
+    # grader paid the failed grade's 0
+    deep = "def f(x):\n    return x * 3 - 1" + " + 0" * 1500
+    (g,), stats = grades(CODE, [solution(deep)], pool)
+    assert (g.reward, g.correct, g.vote) == (1.0, True, " ".join(deep.split())) and stats["failed"] == 0
+
+
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
     bad = types.SimpleNamespace(predict=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: (1.5, True))
     raises = types.SimpleNamespace(predict=lambda turns: "x", grade=lambda row, pred, turns, grader, trajectory: 1 / 0)
