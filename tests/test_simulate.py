@@ -3,12 +3,16 @@ invariants of both policies at small scale, the closed-form event jumps against 
 loop written here, and the fitted length distribution against numpy samples."""
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from simulate import SIM_PARAMS, kv_capacity, lognormal_fit, sim_params, sim_workload, simulate
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.timeout(60)  # a simulator that stops making progress fails fast
 
 SMALL = dict(engines=4, prompts=16, samples=8)  # 512 rollouts, 128 per engine under static
@@ -180,6 +184,20 @@ def test_bad_input_is_named():
         simulate("static", {**SMALL, "kv_tokens": 5000})
     with pytest.raises(ValueError, match="clip_frac"):
         simulate("static", {**SMALL, "resp_mean": 500.0})  # 10% at 8K alone makes the mean > 819
+
+
+@pytest.mark.parametrize("args, scenario, why", [
+    (["--kv_tokens=12000"], "half the KV memory", "KV capacity 6000 tokens cannot hold one rollout"),
+    (["--budget=1024", "--resp_mean=800.0"], "early stage 1: 1K mean", "resp_mean 1024.0 must lie in"),
+])
+def test_the_command_skips_a_scenario_its_parameters_make_impossible(args, scenario, why):
+    # parameters that run (the default scenario prints) but make a derived scenario impossible: that row says
+    # so and the rest still run, where a traceback ended the table
+    command = [sys.executable, "simulate.py", "--engines=2", "--prompts=8", "--samples=4", *args]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{scenario:<28} skipped: {why}" in done.stdout and done.stdout.count("skipped:") == 1
+    assert "static w/o the tool barrier  static" in done.stdout
 
 
 def test_paged_completes_everything_within_the_kv():
