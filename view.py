@@ -303,7 +303,9 @@ function render() {
     head.append(`group ${g.group} `);
     if (g.kind) head.append(el('span', 'kind ' + g.kind, g.kind.replace('_', ' ')), ' ');
     const kept = g.kind === 'mixed' ? ` · ${g.samples.filter(TEST.kept).length} kept` : '';
-    head.append(`${right}/${g.samples.length} correct${kept} · gold ${g.answer} · `, el('b', '', g.question));
+    // a task whose rows have no "answer" column (code, grid, guess) shows no gold: not "gold null"
+    const gold = g.answer === null || g.answer === undefined ? '' : `gold ${g.answer} · `;
+    head.append(`${right}/${g.samples.length} correct${kept} · ${gold}`, el('b', '', g.question));
     head.onclick = () => { sec.classList.toggle('closed'); fill(sec); };
     sec.append(head, el('div', 'gb'));
     list.appendChild(sec);

@@ -321,6 +321,20 @@ def test_a_partial_reward_is_shown_beside_the_verdict(browser, tmp_path):
     assert heads[0].startswith("#0 ✗ reward 0.80 · ") and heads[1].startswith("#1 ✓ reward 1.00 · ")
 
 
+def test_a_task_without_an_answer_column_shows_no_gold(browser, tmp_path):
+    # the grid, guess and code rows have no "answer": their headers read "gold null"
+    path = tmp_path / "step_000007.jsonl.gz"
+    recs = synthetic(path, 1, 2, tokens=60)
+    for r in recs:
+        del r["answer"]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    make_page(path)
+    browser.open(tmp_path / "step_000007.html")
+    header = browser.text(".gh")
+    assert "gold" not in header and header.endswith(f" · {recs[0]['question']}"), header
+
+
 def test_a_run_read_while_its_dump_is_written(tmp_path, capsys):
     # train_rl writes a step's dump as one part a rank (step_*.jsonl.gz.0, ...), then joins them: a run viewed
     # meanwhile, or killed then, holds a part and a cut-short dump; the page shows the complete records
