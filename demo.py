@@ -65,7 +65,12 @@ def value(key, default):
     return next((arg.split("=", 1)[1] for arg in sys.argv if arg.startswith(key + "=")), default)
 
 
-seed, n_seeds = int(value("--seed", 0)), int(value("--seeds", 0))
+# the seed study's size, checked before any stage runs (--seeds=-2 trained the SFT model, then failed in
+# the study)
+seeds_text = value("--seeds", "0")
+if not seeds_text.isdecimal():
+    sys.exit(f"demo.py: --seeds takes a whole number of RL seeds (0: no seed study), got {seeds_text!r}")
+seed, n_seeds = int(value("--seed", 0)), int(seeds_text)
 # the seed study trains its own two arms (GRPO-RoC and plain GRPO) for every seed; --compare and --mismatch add
 # arms to the one-seed run, which the study does not make: a flag it would ignore is refused, not dropped silently
 one_seed_flags = [flag for flag in ("--compare", "--mismatch") if flag in sys.argv]

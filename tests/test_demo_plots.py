@@ -1,7 +1,7 @@
 """demo.py's curves.png, drawn from a made-up finished run (every stage's output present, so nothing trains): each
 panel's tick labels are short and sit at ticks inside its frame, at the size the demo writes (issue #46 item 5),
 and summary.md says where its rows fall against what the same command printed before (item 1). And --seeds refuses
-the one-seed run's flags it would not use."""
+the one-seed run's flags it would not use, and a count that is no whole number."""
 import json
 import os
 import runpy
@@ -70,7 +70,7 @@ def test_the_summary_says_where_its_rows_fall_against_earlier_runs(tmp_path, mon
     assert "against earlier runs" not in (tmp_path / "demo" / "summary.md").read_text()
 
 
-def test_the_seed_study_refuses_the_one_seed_runs_flags(tmp_path, monkeypatch):
+def test_the_seed_study_refuses_what_it_cannot_run(tmp_path, monkeypatch):
     # --compare and --mismatch add arms to the one-seed run; with --seeds they were dropped without a word
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: pytest.fail(f"a stage ran: {args}"))
@@ -79,4 +79,9 @@ def test_the_seed_study_refuses_the_one_seed_runs_flags(tmp_path, monkeypatch):
         with pytest.raises(SystemExit) as refused:
             runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
         assert f"--seeds=2 and {' '.join(flags)} do not go together" in str(refused.value)
+    # a seed count that is no whole number: refused before the data and SFT stages, not in the study after them
+    for count in ("-2", "two"):
+        monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", f"--seeds={count}"])
+        with pytest.raises(SystemExit, match=f"--seeds takes a whole number of RL seeds .* '{count}'"):
+            runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
     assert os.listdir(tmp_path) == []  # refused before any stage ran
