@@ -5,7 +5,9 @@ for trying things out, as in the math task.
 
 A row: {"question": "Write a Python function f(x) that returns ...", "entry": "f",
         "tests": [[[3], 1380], [[0], -66], ...]}    (arguments, expected result: JSON values)
-(`python data.py code-set` writes a tiny set.) The tests never reach the prompt; grade() reads them.
+(`python data.py code-set` writes a tiny set.) The tests never reach the prompt; grade() reads them. A row no
+solution could pass (no tests, a test of another shape, an entry that is no name) is refused with its question
+(check()) before a run starts.
 
 Safe from the solution: the solution's own code cannot make a test pass that it does not pass.
 - every test is its own sandbox call, a fresh process (one test's crash, exit or patched builtins cannot
@@ -46,7 +48,24 @@ exec(compile(SOLUTION, "solution.py", "exec"), _namespace)
 _dumps(_namespace[ENTRY](*ARGS), sort_keys=True)
 """
 
+def check(row):
+    """A ValueError naming the row when no solution could pass it: an entry that is no function name, no
+    tests, or a test that is not [arguments, expected] with the arguments a list ([[3], 1380]; [3, 1380] ran
+    f(*3) and failed every solution without a word). prompt() checks: train_rl.py and eval.py make every
+    prompt before their first step."""
+    where = f"code row {row['question']!r:.80}"
+    if not row["entry"].isidentifier():
+        raise ValueError(f"{where}: entry {row['entry']!r} is not a function name")
+    if not row["tests"]:
+        raise ValueError(f"{where}: it has no tests")
+    for i, test in enumerate(row["tests"]):
+        if not (isinstance(test, list) and len(test) == 2 and isinstance(test[0], list)):
+            raise ValueError(f"{where}: test {i} must be [arguments, expected] with the arguments a list "
+                             f"(e.g. [[3], 1380]), got {test!r:.60}")
+
+
 def prompt(row):
+    check(row)
     return agent.prompt_text(row["question"], tools=TOOLS, user_prefix=USER_PREFIX)
 
 

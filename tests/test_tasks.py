@@ -4,6 +4,7 @@ count in p_err), the prompts of several tools / no tool against the released cha
 runs of both examples are in test_train.py (they need its tiny SFT model)."""
 import json
 import random
+import re
 import types
 from pathlib import Path
 
@@ -105,6 +106,19 @@ def test_a_right_solution_too_deep_for_its_vote_keeps_its_reward(pool):
     deep = "def f(x):\n    return x * 3 - 1" + " + 0" * 1500
     (g,), stats = grades(CODE, [solution(deep)], pool)
     assert (g.reward, g.correct, g.vote) == (1.0, True, " ".join(deep.split())) and stats["failed"] == 0
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tests": [[2, 5], [0, -1]]}, "test 0 must be [arguments, expected] with the arguments a list"),
+    ({"tests": [[[2]]]}, "test 0 must be [arguments, expected]"),
+    ({"tests": []}, "it has no tests"),
+    ({"entry": "f(x)"}, "entry 'f(x)' is not a function name"),
+])
+def test_a_code_row_no_solution_could_pass_is_refused(change, words):
+    # [2, 5] ran f(*2) and failed every solution without a word; the prompt (made for every row before the
+    # first step) refuses the row, naming its question
+    with pytest.raises(ValueError, match=re.escape(f"code row {ROW['question']!r}: {words}")):
+        CODE.prompt({**ROW, **change})
 
 
 def test_a_task_grade_that_raises_or_pays_out_of_range_is_bounded():
