@@ -642,12 +642,17 @@ if __name__ == "__main__":
         task = load_task(args.task)
         if not hasattr(task, "trace"):
             sys.exit(f"traces error: {args.task} has no trace(row, rng) to write traces from")
-        rows = read_jsonl(args.problems or os.path.join(data_dir, "train.jsonl"), required=task.COLUMNS)
         name = os.path.splitext(os.path.basename(args.task))[0]
-        with SandboxPool(timeout=4.0) as pool:
-            # the last n_sft rows (RL starts at the file's front); rows[-0:] would be every row
-            last = rows[max(0, len(rows) - args.n_sft):]
-            traces = task_traces(task, last, random.Random(args.seed), pool)
+        # a row that is not the task's (a math row for the grid: --problems left out), or that the task
+        # refuses (its check()), ends the command with one line naming it, as the other commands do
+        try:
+            rows = read_jsonl(args.problems or os.path.join(data_dir, "train.jsonl"), required=task.COLUMNS)
+            with SandboxPool(timeout=4.0) as pool:
+                # the last n_sft rows (RL starts at the file's front); rows[-0:] would be every row
+                last = rows[max(0, len(rows) - args.n_sft):]
+                traces = task_traces(task, last, random.Random(args.seed), pool)
+        except ValueError as e:
+            sys.exit(f"traces error: {e}")
         write_jsonl(os.path.join(data_dir, f"sft_{name}.jsonl"), traces)
         print(f"wrote {len(traces)} traces to {os.path.join(data_dir, f'sft_{name}.jsonl')}")
         sys.exit(0)

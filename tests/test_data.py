@@ -296,3 +296,7 @@ def test_task_data_commands_run(tmp_path):
     assert "wrote 0 traces" in command("traces", "--task=tasks/calculator.py", "--n_sft=0")
     p = zygote.run(["data.py", "traces", "--n_sft=-1", f"--data_dir={tmp_path}"], timeout=300)
     assert p.returncode != 0 and "--n_sft is a number of rows, got -1" in p.stderr
+    # the grid task's traces of the math rows (--problems left out): one line naming the row, not a traceback
+    p = zygote.run(["data.py", "traces", "--task=tasks/gridworld.py", f"--data_dir={tmp_path}"], timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == f"traces error: {tmp_path}/train.jsonl:1: missing field 'size'"
