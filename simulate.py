@@ -75,6 +75,10 @@ def sim_params(overrides=None):
         raise ValueError("prompt_max must be >= prompt_min and tool_tokens_max >= tool_tokens_min")
     if p["tool_latency_mean"] < 0 or p["efficiency"] <= 0:
         raise ValueError("tool_latency_mean must be >= 0 and efficiency > 0")
+    # shares of the budget, as rollout.Engine takes them (reserve=-1 promised a negative KV, without a word)
+    for k in ("reserve", "auto_prior"):
+        if not 0 <= p[k] <= 1:
+            raise ValueError(f"simulation parameter {k} is a share of the budget in [0, 1], got {p[k]!r}")
     if kv_capacity(p) < p["prompt_max"] + p["budget"]:
         raise ValueError(f"KV capacity {kv_capacity(p)} tokens cannot hold one rollout (prompt_max + budget "
                          f"= {p['prompt_max'] + p['budget']}); raise kv_tokens or the memory")

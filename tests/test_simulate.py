@@ -184,6 +184,9 @@ def test_bad_input_is_named():
         simulate("static", {**SMALL, "kv_tokens": 5000})
     with pytest.raises(ValueError, match="clip_frac"):
         simulate("static", {**SMALL, "resp_mean": 500.0})  # 10% at 8K alone makes the mean > 819
+    for key, share in (("reserve", -1.0), ("reserve", 1.5), ("auto_prior", -0.5)):
+        with pytest.raises(ValueError, match=f"{key} is a share of the budget in \\[0, 1\\], got {share}"):
+            simulate("paged", {**SMALL, key: share})
 
 
 @pytest.mark.parametrize("args, scenario, why", [
