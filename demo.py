@@ -69,15 +69,18 @@ def value(key, default):
 # the study)
 seeds_text = value("--seeds", "0")
 if not seeds_text.isdecimal():
-    sys.exit(f"demo.py: --seeds takes a whole number of RL seeds (0: no seed study), got {seeds_text!r}")
+    sys.exit(f"demo.py: --seeds takes a whole number of RL seeds (0: no seed study), "
+             f"got {seeds_text!r}")
 seed, n_seeds = int(value("--seed", 0)), int(seeds_text)
-# the seed study trains its own two arms (GRPO-RoC and plain GRPO) for every seed; --compare and --mismatch add
-# arms to the one-seed run, which the study does not make: a flag it would ignore is refused, not dropped silently
+# the seed study trains its own two arms (GRPO-RoC and plain GRPO) for every seed; --compare and
+# --mismatch add arms to the one-seed run, which the study does not make: a flag it would ignore is
+# refused, not dropped silently
 one_seed_flags = [flag for flag in ("--compare", "--mismatch") if flag in sys.argv]
 if n_seeds and one_seed_flags:
-    sys.exit(f"demo.py: --seeds={n_seeds} and {' '.join(one_seed_flags)} do not go together: the seed study "
-             f"trains GRPO-RoC and plain GRPO for each seed; the arms of {' and '.join(one_seed_flags)} are "
-             "trained in the one-seed run only (without --seeds): give one or the other")
+    sys.exit(f"demo.py: --seeds={n_seeds} and {' '.join(one_seed_flags)} do not go together: "
+             f"the seed study trains GRPO-RoC and plain GRPO for each seed; the arms of "
+             f"{' and '.join(one_seed_flags)} are trained in the one-seed run only (no --seeds): "
+             "give one or the other")
 base = value("--out", "out")  # the default pipeline's data, SFT model and runs
 root = f"{base}/recover" if recover else base  # the recover variant keeps its own data, model and runs
 out = f"{root}/demo"
