@@ -481,6 +481,8 @@ if __name__ == "__main__":
                                 "simulate() in simulate.py for the cost model).")
     cfg = configurator.configure(keys, argv)
     seed = cfg.pop("seed")
+    if seed < 0:  # numpy's generator takes no negative seed
+        sys.exit(f"config error: seed must be >= 0, got {seed}")
     try:
         p = sim_params(cfg)
         mu, sigma = lognormal_fit(p["resp_mean"], p["budget"], p["clip_frac"], p["resp_sigma"])
@@ -520,10 +522,12 @@ if __name__ == "__main__":
         # a scenario derived from the given parameters can be impossible where they are not (half a KV that
         # held one rollout, a 1K mean under a 1K budget): said so on its row, and the others still run
         try:
-            res = {pol: simulate(pol, {**p, **over}, seed) for pol in POLICIES}
+            q = sim_params({**p, **over})
+            lognormal_fit(q["resp_mean"], q["budget"], q["clip_frac"], q["resp_sigma"])
         except ValueError as e:
             print(f"{name:<28} skipped: {e}")
             continue
+        res = {pol: simulate(pol, q, seed) for pol in POLICIES}
         for pol, r in res.items():
             speedup = res["static"]["makespan_s"] / r["makespan_s"]
             kv_pct = 100 * r["peak_kv_tokens"] / r["kv_tokens"]

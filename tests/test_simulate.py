@@ -203,6 +203,13 @@ def test_the_command_skips_a_scenario_its_parameters_make_impossible(args, scena
     assert "static w/o the tool barrier  static" in done.stdout
 
 
+def test_the_command_refuses_a_negative_seed():
+    # numpy refuses it in every scenario: each row read "skipped: expected non-negative integer"
+    command = [sys.executable, "simulate.py", "--engines=2", "--prompts=8", "--samples=4", "--seed=-1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.strip() == "config error: seed must be >= 0, got -1"
+
+
 def test_paged_completes_everything_within_the_kv():
     for kv in (TIGHT, 0):
         for reserve in (0.0, 0.5):
