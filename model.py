@@ -204,7 +204,7 @@ def attend(q, k, v, att, layer_idx):
     # sequence
     if "varlen" in att:
         idx, cu, max_len = att["varlen"]
-        q, k, v = (z.reshape(B * T, -1, hd)[idx] for z in (q, k, v))  # (N, heads, hd)
+        q, k, v = (z.flatten(0, 1)[idx] for z in (q, k, v))  # (N, heads, hd)
         y = flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)  # (N, H, hd)
         return q.new_zeros(B * T, H, hd).index_copy(0, idx, y).view(B, T, H, hd)
     cache = att.get("cache")
@@ -214,7 +214,7 @@ def attend(q, k, v, att, layer_idx):
     Hkv = k.shape[2]
     # 1. the real new tokens' k/v into their pages; right padding is never written (its positions may lie
     # in pages the row does not hold, which belong to other rows); real, a mask, selects them (all, decoding)
-    news = [z.reshape(B * T, *z.shape[2:])[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
+    news = [z.flatten(0, 1)[att["real"]] for z in (k, v)]  # (N, Hkv, hd) each
     # the pool's pages and their tokens as one axis of slots: (slots, Hkv, hd) flash's, (Hkv, slots, hd) SDPA's
     d = cache.page_dim
     for c, new in zip((kc, vc), news):
