@@ -545,20 +545,21 @@ class Qwen(nn.Module):
             rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads if T > 1 else 1
             mask = torch.where(mask, 0.0, float("-inf")).to(weight.dtype)
             att.update(table=table.to(dev), mask=mask.repeat(1, rep, 1)[None].to(dev))
-        if not (static or cache.flash or att["fresh"]):
-            # the keys gathered by the last forward (that went through the kept gather) are kept: with as many
-            # rows and pages, a row in the same place holding what it left there reads them, plus its new
-            # ones (a decode step, usually); the other rows (stale) are gathered afresh, all of them when the
-            # shape changed. cache.last: those pages, and each place's (row, version, tokens): a row released
-            # since holds other tokens under a new version, whatever their number
-            versions = torch.tensor([cache.versions[row] for row in row_indices])  # (B,)
-            now = torch.stack([rows, versions, lengths], 1)  # (B, 3)
-            last_P, last = cache.last or (0, now[:0])
-            if (last_P, len(last)) == (P, B):
-                att["stale"] = (last != now).any(1).nonzero()[:, 0].to(dev)
-            cache.last = (P, torch.stack([rows, versions, lengths + n], 1))
-            # (N,): each new token's place in the kept gather
-            att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)
+            # the keys gathered by the last forward (that went through the kept gather) are kept, but for a
+            # static step (it gathers every row's pages afresh, into fixed shapes: see attend)
+            if not static:
+                # with as many rows and pages, a row in the same place holding what it left there reads them,
+                # plus its new ones (a decode step, usually); the other rows (stale) are gathered afresh, all of
+                # them when the shape changed. cache.last: those pages, and each place's (row, version, tokens):
+                # a row released since holds other tokens under a new version, whatever their number
+                versions = torch.tensor([cache.versions[row] for row in row_indices])  # (B,)
+                now = torch.stack([rows, versions, lengths], 1)  # (B, 3)
+                last_P, last = cache.last or (0, now[:0])
+                if (last_P, len(last)) == (P, B):
+                    att["stale"] = (last != now).any(1).nonzero()[:, 0].to(dev)
+                cache.last = (P, torch.stack([rows, versions, lengths + n], 1))
+                # (N,): each new token's place in the kept gather
+                att["where"] = (torch.arange(B)[:, None] * P * ps + pos)[real].to(dev)
         # a prefill of rows of different lengths (to each row's last token): the layers run on the real tokens
         # alone, packed into one row (1, N) of positions pos (Attention unpacks them around attention); with no
         # padding there is nothing to gain (the unpacking costs ~9% of a prefill of 32 rows of 40 tokens)
