@@ -521,7 +521,8 @@ class Qwen(nn.Module):
         P = cache.pages(int((lengths + T).max()))
         if static:  # the pages read: a power of two, at most a whole row's
             P = min(1 << (P - 1).bit_length(), width)
-        table = F.pad(cache.table[rows], (0, max(0, P - width)))[:, :P]  # (B, P)
+        # (B, P): the rows' tables padded with page 0 to P pages, or cut to P (a negative pad cuts)
+        table = F.pad(cache.table[rows], (0, P - width))
         real = torch.arange(T) < n[:, None]  # (B, T)
         # (N,) the flat pool index of each real token
         slots = (table.gather(1, pos // ps) * ps + pos % ps)[real]
