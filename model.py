@@ -405,8 +405,8 @@ class Qwen(nn.Module):
         else:
             m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
             # a segment is a run of equal mask values (pads are a segment too, seen by no real token)
-            start = torch.ones_like(m, dtype=torch.bool)  # (B, T) True where a segment begins
-            start[:, 1:] = m.diff() != 0
+            # (B, T) True where a segment begins: each row's first token, and wherever the mask changes
+            start = F.pad(m.diff() != 0, (1, 0), value=True)
             # (B, T), restarting per segment
             positions = t - torch.cummax(torch.where(start, t, 0), dim=1).values
             if flash:
