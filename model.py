@@ -479,7 +479,7 @@ class Qwen(nn.Module):
 
         rows: a slice of rows, a list or a LongTensor (B,) of distinct row indices, in any order.
         Row b's tokens get positions lengths[b] + arange(T); afterwards lengths[rows] += T.
-        n_new (B,) ints, for prefilling rows of different lengths in one forward: only the first
+        n_new, a list of B ints, for prefilling rows of different lengths in one forward: only the first
         n_new[b] tokens of row b are real, the rest right padding (never written to the cache, never
         seen by a real token); lengths[rows] += n_new, and last_only picks each row's last real token.
         Every row must already hold pages for its real tokens (KVCache.grow: the caller decides who gets
@@ -495,7 +495,7 @@ class Qwen(nn.Module):
         if rows.shape != (B,) or len(set(row_indices)) != B:
             raise ValueError(f"rows must be {B} distinct row indices, got {row_indices}")
         lengths = cache.lengths[rows]  # (B,) on CPU
-        n = torch.full((B,), T) if n_new is None else torch.as_tensor(n_new, dtype=torch.long).cpu()
+        n = torch.full((B,), T) if n_new is None else torch.tensor(n_new)
         if n.shape != (B,) or not (1 <= n.min() and n.max() <= T):
             raise ValueError(f"n_new must be {B} counts in 1..{T}, got {n.tolist()}")
         # the rows without the pages their new tokens need
