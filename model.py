@@ -923,7 +923,7 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
 # FSDP2
 
 def shard_model(model, mesh=None, param_dtype=torch.bfloat16):
-    """fully_shard each decoder layer, then the root (embeddings, final norm, head).
+    """fully_shard each decoder layer, then the root (embeddings, final norm, head), in place.
 
     Params stay fp32 shards (the master copy the optimizer updates); forward/backward all-gather them
     in param_dtype (None = keep fp32, for CPU tests) and reduce-scatter grads in fp32.
@@ -935,4 +935,3 @@ def shard_model(model, mesh=None, param_dtype=torch.bfloat16):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     register_fsdp_forward_method(model, "forward_cached")
-    return model
