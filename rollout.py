@@ -217,20 +217,19 @@ class Pager:
         return min(free, max(self.headroom(rows) // per_claim, 0 if rows else 1))
 
     def reserved(self, row, share):
-        """Tokens promised to a row: its prompt + `share` of its budget (never more than the budget), or what
-        it holds beyond that."""
+        """Pages promised to a row: those of its prompt + `share` of its budget (never more than the budget), or
+        of what it holds beyond that."""
         # the response part: the promised share, or the response so far when it is longer. A share is at most 1
         # (reserve is checked to lie in [0, 1], auto's is at most 1/2), so the promise is at most the budget
         promised = math.ceil(share * row.budget)
         response = max(promised, len(row.traj.response_ids))
-        return len(row.traj.prompt_ids) + response
+        return self.cache.pages(len(row.traj.prompt_ids) + response)
 
     def headroom(self, rows):
         """Free pages not yet promised to the rows (a dict slot -> Row) in the KV."""
         share = self.share(rows)
         # what each row in the KV was promised and does not hold yet
-        promised = sum(max(0, self.cache.pages(self.reserved(row, share))
-                           - self.cache.npages[row.slot])
+        promised = sum(max(0, self.reserved(row, share) - self.cache.npages[row.slot])
                        for row in rows.values() if self.cache.holds(row.slot))
         return self.cache.free_pages() - promised
 
@@ -251,7 +250,7 @@ class Pager:
             twin = (not row.traj.response_ids and todo
                     and not todo[-1].row.traj.response_ids
                     and todo[-1].ids == row.pending)
-            need = self.cache.pages(self.reserved(row, share))
+            need = self.reserved(row, share)
             # first come, first served: a later row never overtakes an earlier one that does not fit
             if need > room and (running or todo):
                 break
