@@ -544,7 +544,8 @@ class Engine:
             if self.top_p < 1.0:
                 sorted_probs, sorted_ids = probs.sort(-1, descending=True)
                 sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
-                probs = torch.zeros_like(probs).scatter_(1, sorted_ids, sorted_probs)
+                # back in vocabulary order (sorted_ids is a permutation: every entry is written)
+                probs = probs.scatter(1, sorted_ids, sorted_probs)
             # inverse-CDF sampling: one uniform draw per row (B,), from the row's own generator (on the CPU)
             cdf = probs.cumsum(-1)
             uniform = torch.cat([torch.rand(1, generator=row.gen) for row in rows]).to(self.device)
