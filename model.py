@@ -814,7 +814,7 @@ def load_model(path, device="cpu", dtype=torch.float32):
 
 
 @torch.no_grad()
-def load_weights(model, path, device=None):
+def load_weights(model, path, device):
     """copy the safetensors in `path` into model's parameters, tensor by tensor in the params' dtype.
 
     A model still on the meta device is first materialised on `device`. FSDP2-sharded (DTensor)
@@ -822,8 +822,6 @@ def load_weights(model, path, device=None):
     Optimizers must be built after this (materialising replaces the parameter objects).
     """
     if any(p.is_meta for p in model.parameters()):
-        if device is None:
-            raise ValueError("load_weights: the model is on the meta device, pass device=")
         model.to_empty(device=device)
     # the weight files: a sharded checkpoint's index names its shards, else one model.safetensors
     index = f"{path}/model.safetensors.index.json"
