@@ -449,7 +449,7 @@ class Qwen(nn.Module):
         if with_entropy:
             out.append(torch.cat([e[0] for e in ents]))
         if where is not None:  # back to (B, T), 0 at every position not asked for
-            asked = where.flatten()[picked].bool()
+            asked = where.flatten()[picked]
             out = [z.new_zeros(B * T).index_copy(0, picked, torch.where(asked, z, 0.0))
                    for z in out]
         out = [z.view(B, T) for z in out]
