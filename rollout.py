@@ -373,10 +373,10 @@ class Engine:
     # public api
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=0.0):
-        """Plain completions, no tools: list of token-id lists in, list of generated id lists out."""
+    def generate(self, prompts, max_new_tokens):
+        """Plain greedy completions, no tools: list of token-id lists in, list of generated id lists out."""
         reqs = [Request(prompt, key=(0, i, 0)) for i, prompt in enumerate(prompts)]
-        trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=temperature, use_tools=False)
+        trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=0, use_tools=False)
         return [traj.response_ids for traj in sorted(trajs, key=lambda traj: traj.key)]
 
     @torch.no_grad()
