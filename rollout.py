@@ -533,12 +533,12 @@ class Engine:
         logits = torch.stack([row.logits for row in rows])  # (B, V)
         for row in rows:
             row.logits = None
-        # greedy: the most likely token, and its log-prob under the unscaled logits
+        # the log-probs of softmax(logits / temperature): at temperature 0 (greedy), of the logits divided by 1
+        logprobs = torch.log_softmax(logits / (temperature or 1), -1)  # (B, V)
+        # greedy: the most likely token
         if temperature == 0:
-            logprobs = torch.log_softmax(logits, -1)
             tokens = logits.argmax(-1, keepdim=True)  # (B, 1)
         else:
-            logprobs = torch.log_softmax(logits / temperature, -1)  # (B, V)
             probs = logprobs.exp()
             # top-p: keep the smallest set of tokens whose mass reaches top_p
             if self.top_p < 1.0:
