@@ -676,7 +676,7 @@ class KVCache:
     finite (masked keys still multiply their values by 0).
     """
 
-    def __init__(self, cfg, num_rows, max_len, device, dtype, num_pages=None, page_size=16):
+    def __init__(self, cfg, num_rows, max_len, device, dtype, page_size, num_pages=None):
         self.flash = use_flash(device, dtype) and paged_flash(str(device), dtype)
         if self.flash and page_size % 256:  # flash_attn_with_kvcache's documented requirement
             raise ValueError(f"flash-attn's paged KV cache needs page_size a multiple of 256, got {page_size}")

@@ -175,7 +175,7 @@ class Pager:
         self.num_rows = max_rows or min(num_pages, int(kv_capacity / (least * max_len)))
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
         self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype,
-                             num_pages, page_size)
+                             page_size, num_pages)
         # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
         self.seq = itertools.count()
 
