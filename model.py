@@ -757,14 +757,14 @@ class KVCache:
                 pool.index_copy_(self.page_dim, pages[1:],
                                  pool.index_select(self.page_dim, pages[0].expand(len(dsts))))
 
-    def gather(self, layer, table, stale=None):
+    def gather(self, layer, table, stale):
         """SDPA's keys and values of `layer` for the rows whose pages are table (B, P): (Hkv, B, P x page_size,
         head_dim) each, contiguous, in the layer's buffer, kept (`kept`) for the next forward: with as many rows
         and pages, it gathers only its `stale` rows into it (model.forward_cached says which: those not in the
-        same place holding the same tokens) and writes the others' new tokens in (model.attend). The price: a
-        second copy of the decoding rows' keys and values. (At batch 64 of bench.py's model, the gather this
-        replaced, of the pages in flash-attn's layout into a fresh tensor, took ~1.7x as long as one gather
-        here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
+        same place holding the same tokens; None: every row, afresh) and writes the others' new tokens in
+        (model.attend). The price: a second copy of the decoding rows' keys and values. (At batch 64 of
+        bench.py's model, the gather this replaced, of the pages in flash-attn's layout into a fresh tensor,
+        took ~1.7x as long as one gather here, and SDPA on the strided keys it gave ~3x as long as on these.)"""
         (Hkv, _, ps, hd), (B, P) = self.layers[layer][0].shape, table.shape
         if stale is not None:
             for pool, buf in zip(self.layers[layer], self.kept[layer] if len(stale) else ()):
