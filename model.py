@@ -310,9 +310,9 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def chunk_logprobs(h, targets, weight, entropy=None):
-    """h (N, D), targets (N,) -> log p(target) (N,) fp32; with a list `entropy`, also appends the entropy
-    (N,) to it, without grad, the first time only.
+def chunk_logprobs(h, targets, weight, entropy):
+    """h (N, D), targets (N,) -> log p(target) (N,) fp32; with a list `entropy` (not None), also appends the
+    entropy (N,) to it, without grad, the first time only.
 
     The entropy is a metric: it never joins the autograd graph. The function runs inside a checkpoint,
     which calls it again in the backward to rebuild the logits; by then the list is filled, so the
