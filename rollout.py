@@ -677,8 +677,8 @@ def close_environment(traj):
         traj.environment.close()
 
 
-def kv_rows(model, max_len, kv_capacity=0, fraction=0.9, limit=None):
-    """How many rows of max_len tokens an engine's KV cache gets: kv_capacity tokens when given, else
+def kv_rows(model, max_len, kv_capacity, fraction=0.9, limit=None):
+    """How many rows of max_len tokens an engine's KV cache gets: kv_capacity tokens when not 0, else
     `fraction` of the accelerator's free memory right now (CPU: 256 rows); never more than `limit`
     (the rows a rank can ever fill: more only waste memory)."""
     p = next(model.parameters())
