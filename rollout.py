@@ -376,17 +376,18 @@ class Engine:
     def generate(self, prompts, max_new_tokens):
         """Plain greedy completions, no tools: list of token-id lists in, list of generated id lists out."""
         reqs = [Request(prompt, key=(0, i, 0)) for i, prompt in enumerate(prompts)]
-        trajs = self.run(iter_claim(reqs), max_new_tokens, temperature=0, use_tools=False)
+        trajs = self.run(iter_claim(reqs), max_new_tokens, plain=True)
         return [traj.response_ids for traj in sorted(trajs, key=lambda traj: traj.key)]
 
     @torch.no_grad()
-    def run(self, claim, budget, on_finish=None, temperature=None, use_tools=True, keep=True):
+    def run(self, claim, budget, on_finish=None, plain=False, keep=True):
         """Generate until `claim(n)` has no more requests and every row has finished.
         claim(n) returns up to n Requests ([] = no more work). Returns the list of Trajectories (keep=False:
         an empty list; on_finish sees each one, so memory does not grow with the requests). self.stats counts
-        this run only."""
-        temperature = self.temperature if temperature is None else temperature
-        sandbox = self.sandbox if use_tools else None
+        this run only. plain=True: greedy completions without tools (generate)."""
+        # plain completions sample greedily, and no sandbox means no turn is parsed for tool calls (end_turn)
+        temperature = 0 if plain else self.temperature
+        sandbox = None if plain else self.sandbox
         # the rows claimed and not finished, by KV slot
         rows = {}
         # the free slots, taken from the end: slot 0 first
@@ -599,7 +600,7 @@ class Engine:
         # the row's task's tools
         tools = self.tools if row.req.tools is None else row.req.tools
         # the text of this turn only; calls beyond max_calls_per_turn are dropped, as the release does.
-        # Plain completions (generate, use_tools=False) parse nothing: a turn is the whole answer
+        # Plain completions (generate: run's plain=True) parse nothing: a turn is the whole answer
         text = self.tok.decode(traj.response_ids[row.turn_start:])
         calls = [] if sandbox is None else agent.parse_tool_calls(text, self.max_calls, tools)
         # a turn without a call: the trajectory's environment may answer it (a referee, a simulated
