@@ -283,7 +283,7 @@ class Attention(nn.Module):
         y = attend(q, k, v, att, self.layer_idx)  # (B, T, H, hd), or (B', T', H, hd) packed
         if gather is not None:
             y = y[att["pick"]][None]
-        return self.o_proj(y.reshape(B, T, -1))
+        return self.o_proj(y.flatten(2))  # the heads side by side: (B, T, H * hd)
 
 
 class MLP(nn.Module):
