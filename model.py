@@ -265,9 +265,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, att):
-        B, T, _ = x.shape
-        # q (B, T, H, hd), k and v (B, T, Hkv, hd)
-        q, k, v = (proj(x).view(B, T, -1, self.cfg.head_dim)
+        # q (B, T, H, hd), k and v (B, T, Hkv, hd): each projection's last axis split into heads
+        q, k, v = (proj(x).unflatten(-1, (-1, self.cfg.head_dim))
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.model_type == "qwen3":
             q = self.q_norm(q)
