@@ -765,7 +765,7 @@ def mem_bench(tokens=20480):
                 ("decoder layer, recomputed in its backward", (layer, x), lambda: checkpoint(
                     layer, x, cos, sin, dict(flash=False, mask=None), use_reentrant=False).sum().backward()),
                 ("output layer, 1,024-token chunks", (head, h), lambda: torch.cat([checkpoint(
-                    M.chunk_logprobs, h[i:i + 1024], tg[i:i + 1024], head, False, use_reentrant=False)
+                    M.chunk_logprobs, h[i:i + 1024], tg[i:i + 1024], head, None, use_reentrant=False)
                     for i in range(0, tokens, 1024)]).sum().backward())]:
             mt = MemTracker()
             mt.track_external(*tracked)

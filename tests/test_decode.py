@@ -146,3 +146,12 @@ def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
     assert [(r["batch"], r["side"]) for r in rows] == [(1, "eager"), (1, "static"), (3, "eager"), (3, "static")]
     assert all(r["same_tokens"] == r["rows"] == r["batch"] for r in rows)
     assert [r["first_run_s"] is not None for r in rows] == [False, True, False, True]
+
+
+def test_the_memory_bench_runs_at_14b_shapes():
+    """bench.py mem: a 14B decoder layer and the chunked output layer under FakeTensorMode (shapes, no data); it
+    passed False for chunk_logprobs' entropy list and crashed in the output layer's part."""
+    import bench
+    peaks = bench.mem_bench(tokens=2048)
+    assert peaks["output layer, 1,024-token chunks"]["temp"] > 0
+    assert peaks["decoder layer, recomputed in its backward"]["act"] > 0
