@@ -4,6 +4,7 @@ they are written whole or not at all, which ones rotation keeps, and how a run l
 common.py as nanochat keeps its checkpoint_manager.py: common.py stays plumbing that imports nothing of the
 project, this file imports the model.
 """
+import fcntl
 import glob
 import json
 import os
@@ -53,6 +54,39 @@ def latest_checkpoint(run_dir, weights=False):
     """The newest complete checkpoint of run_dir (weights=True: the newest with HF weights), or None."""
     found = [p for p in checkpoints(run_dir) if has_weights(p) or not weights]
     return found[-1] if found else None
+
+
+def resume_point(run_dir, resume):
+    """The checkpoint a run continues from: run_dir's newest with resume (--resume=true), None
+    without. Exits where the two disagree: resume with no checkpoint; or a new run where an earlier
+    one left checkpoints, which would mix with it (metrics.jsonl emptied, the rotation deleting the
+    new run's checkpoints before the old run's, a later --resume taking the old run's newest)."""
+    start = latest_checkpoint(run_dir)
+    if resume and not start:
+        raise SystemExit(
+            f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
+            "nothing to resume; drop --resume to start this run from step 0")
+    if start and not resume:
+        raise SystemExit(
+            f"config error: {run_dir} holds the checkpoints of an earlier run (the newest: "
+            f"{start}): --resume=true continues it; a new run needs its own directory")
+    return start
+
+
+def lock_run(run_dir):
+    """Hold run_dir/lock while this process lives (the kernel lets it go when the process ends, killed or
+    not): a second run pointed at run_dir, a job started twice, stops here instead of interleaving its
+    metrics rows, dumps and checkpoints with the first's. Rank 0 calls it; keep what it returns. On a
+    file system without locks (Lustre mounted without flock) runs are not guarded."""
+    os.makedirs(run_dir, exist_ok=True)
+    lock = open(os.path.join(run_dir, "lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"config error: another run is using {run_dir} (it holds {run_dir}/lock)")
+    except OSError:  # no locks here
+        pass
+    return lock
 
 
 def load_trainable(path, device, dtype, activation_checkpointing=False, compiled=False, frozen=False):

@@ -43,8 +43,8 @@ from transformers import AutoTokenizer
 import agent
 import grading
 import grpo_roc
-from checkpoint import (checkpoint_dir, latest_checkpoint, load_trainable, load_trainer_state,
-                        save_checkpoint)
+from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
+                        resume_point, save_checkpoint)
 from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
                     print0, resolve_model)
 from configurator import configure, require
@@ -224,18 +224,9 @@ def prompt_at(c):
 
 # every check that can refuse the run (config, data, the checkpoint to resume, the sandbox, the engine's settings)
 # comes before anything in run_dir changes: a refused resume leaves metrics.jsonl and rollouts/ as they were
-# the checkpoint to resume: run_dir's newest, there with --resume=true and only then (past the checks below)
-start = latest_checkpoint(run_dir)
-if resume and not start:
-    raise SystemExit(
-        f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "
-        "nothing to resume; drop --resume to start this run from step 0")
-# a new run where an earlier one left checkpoints would mix with it: metrics.jsonl emptied, the rotation
-# deleting the new run's checkpoints before the old run's, a later --resume taking the old run's newest
-if start and not resume:
-    raise SystemExit(
-        f"config error: {run_dir} holds the checkpoints of an earlier run (the newest: {start}): "
-        "--resume=true continues it; a new run needs its own run_dir")
+# the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
+# stops here
+start = resume_point(run_dir, resume)
 # the tool's sandbox pool, started (or refused) before the model loads, and asked one call to see it answers
 try:
     sandbox = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
@@ -374,8 +365,10 @@ try:
                     tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 except ValueError as e:  # a setting the engine refuses (kv_reserve out of [0, 1], ...)
     raise SystemExit(f"config error: {e}")
-# every check passed: now the run directory changes. A resumed run's steps after its checkpoint are about to be
-# made again: their dumps go, and metrics.jsonl keeps the rows up to the checkpoint (see Logger)
+# every check passed: now the run directory changes, this run's alone while it lives (a second one stops here)
+run_lock = lock_run(run_dir) if rank == 0 else None
+# a resumed run's steps after its checkpoint are about to be made again: their dumps go, and metrics.jsonl
+# keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
     for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
         if int(os.path.basename(path)[5:11]) > step:

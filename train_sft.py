@@ -37,6 +37,9 @@ reads its lines by byte offset; each rank renders 1/world of them and all ranks 
 than max_seq_len are skipped and counted. Sequences are packed into
 token-budget micro-batches; cosine LR with 4% warm-up; FSDP2 under torchrun; the result is an HF
 directory (with the tokenizer and the chat template it was trained with) that every other script loads.
+With save_every = N, every N-th step also writes a checkpoint to out_dir/step_*/ (weights and AdamW state,
+checkpoint.py's, the newest one kept); --resume=true continues from it and ends on the weights the
+uninterrupted run ends on, bit for bit (the data order is a function of the seed, the epoch and the step).
 Importing this file runs nothing: the tests use the functions below.
 """
 import json
@@ -196,7 +199,8 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from checkpoint import load_trainable
+    from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
+                            resume_point, save_checkpoint)
     from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
     from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
@@ -220,6 +224,9 @@ if __name__ == "__main__":
     activation_checkpointing = False
     dtype = "float32"  # compute dtype: "bfloat16" on GPU
     log_every = 10
+    # a checkpoint (out_dir/step_*/: weights and AdamW state, the newest one kept) every N steps; 0: none
+    save_every = 0
+    resume = False  # continue from the newest checkpoint in out_dir, exactly
     seed = 0
     wandb_project = ""
     cfg = configure(globals())
@@ -263,22 +270,32 @@ if __name__ == "__main__":
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
 
-    model = load_trainable(model_path, device, ptdtype, activation_checkpointing)
+    # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left
+    # checkpoints stops here
+    start = resume_point(out_dir, resume)
+    model = load_trainable(start or model_path, device, ptdtype, activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    steps_per_epoch = math.ceil(epoch_len / batch_size)
-    total = epochs * steps_per_epoch
-    warmup = max(1, round(warmup_ratio * total))
-    logger = Logger(out_dir, wandb_project, cfg, rank)
-    print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
-           f"({epoch_len} per epoch), {world} rank(s)")
-
     step = 0
     skipped = 0  # conversations longer than max_seq_len
     trained = 0  # assistant tokens trained on
-    for epoch in range(epochs):
+    if start:
+        state = load_trainer_state(start, model, optimizer)
+        step, skipped, trained = state["step"], state["skipped"], state["trained"]
+        print0(f"resumed from {start} at step {step}")
+    steps_per_epoch = math.ceil(epoch_len / batch_size)
+    total = epochs * steps_per_epoch
+    warmup = max(1, round(warmup_ratio * total))
+    # out_dir changes from here on: this run's alone while it lives (a second one stops here)
+    run_lock = lock_run(out_dir) if rank == 0 else None
+    logger = Logger(out_dir, wandb_project, cfg, rank, resume_step=step if start else None)
+    print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
+           f"({epoch_len} per epoch), {world} rank(s)")
+
+    # from the step the run is at (a resumed run: its checkpoint's), in its epoch
+    for epoch in range(step // steps_per_epoch, epochs):
         # this epoch's (file, conversation) pairs, shuffled: the same on every rank
         order = epoch_order(sizes, weights, seed, epoch)
-        for step_in_epoch in range(steps_per_epoch):
+        for step_in_epoch in range(step % steps_per_epoch, steps_per_epoch):
             step_start = time.perf_counter()
 
             # 1. the learning rate: cosine schedule with linear warm-up
@@ -348,6 +365,11 @@ if __name__ == "__main__":
             if step % log_every == 0 or step == total:
                 print0(f"step {step:04d}/{total} | loss {loss_sum.item():.4f} | lr {lr_now:.2e} | "
                        f"dt {time.perf_counter() - step_start:.2f}s")
+
+            # 7. the checkpoint, every save_every steps: what --resume continues from
+            if save_every and step % save_every == 0:
+                save_checkpoint(checkpoint_dir(out_dir, step), model, optimizer, tokenizer,
+                                {"step": step, "skipped": skipped, "trained": trained}, keep=1)
 
     save_model(model, out_dir)
     if rank == 0:

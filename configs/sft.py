@@ -21,3 +21,5 @@ max_seq_len = 8192
 max_tokens_per_micro = 16384
 activation_checkpointing = True
 dtype = "bfloat16"
+# ~5,200 steps: a checkpoint (weights + AdamW state, ~177 GB, the newest kept) every 250 for --resume=true
+save_every = 250

@@ -1,6 +1,7 @@
 """train_rl.py --resume=true: it resumes only what is there, and a run it refuses leaves its run directory as it
 was. Every check that can refuse a run (the checkpoint to resume, the data, the sandbox, the engine's settings)
 comes before metrics.jsonl is trimmed or a rollout dump deleted (issues #43 and #46)."""
+import fcntl
 import gzip
 import os
 
@@ -98,3 +99,19 @@ def test_a_new_run_in_the_directory_of_an_earlier_one_is_refused(made):
     assert f"{run_dir} holds the checkpoints of an earlier run" in out.stderr, out.stderr[-2000:]
     assert "--resume=true continues it" in out.stderr
     assert (state(run_dir), sorted(path for path in os.listdir(run_dir) if path.startswith("step_"))) == before
+
+
+def test_a_second_run_in_a_run_directory_in_use_is_refused(made, tmp_path):
+    # a run in progress holds run_dir/lock (this test stands in for it): two runs started at once wrote one
+    # metrics.jsonl, rows 1, 3, 2, 4, 3, 4, both ending "successfully", their checkpoints overwriting each other
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    with open(run_dir / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out = train_rl(made, run_dir, "--steps=1")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"another run is using {run_dir}" in out.stderr, out.stderr[-2000:]
+    assert os.listdir(run_dir) == ["lock"]
+    # the run's own lock goes with it: the next run there starts
+    out = train_rl(made, run_dir, "--steps=1")
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -3,6 +3,7 @@ custom tools) through a Qwen-style chat template, with the loss mask checked aga
 generation markers; "rstar2" files rendered and ordered exactly as before; mix weights; bad input named by
 file:line; and a short SFT run on a mix of both kinds that lowers the loss on each."""
 
+import fcntl
 import json
 from pathlib import Path
 
@@ -334,3 +335,34 @@ def test_rstar2_tools_are_the_prompts_tools(tiny):
         assert ('"calculate"' in text) == (tools is not None and len(tools) == 2)
         assert (agent.TOOL_NAME + '", "description"' in text) == (tools != [])
         assert ("# Tools" in text) == (tools != [])
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_ends(tiny, tmp_path):
+    # 16 traces, 6 a step: 3 steps an epoch, the last of 4 conversations; 3 epochs, a checkpoint at step 5
+    out = tmp_path / "sft"
+    args = ["train_sft.py", "configs/tiny_sft.py", f"--model_path={tiny}/base",
+            f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.0)]", f"--out_dir={out}", "--epochs=3",
+            "--batch_size=6", "--lr=1e-2", "--save_every=5"]
+    p = zygote.run(args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    straight, rows = load_file(out / "model.safetensors"), data.read_metrics(out)
+    assert sorted(path.name for path in out.glob("step_*")) == ["step_000005"]  # the newest kept
+    # as if it had been killed after step 5's save: the resume runs steps 6-9 again (the epoch's short
+    # last batch, then a whole epoch), its rows replacing theirs, and ends on the same weights, bit for bit
+    p = zygote.run(args + ["--resume=true"])
+    assert p.returncode == 0 and f"resumed from {out}/step_000005 at step 5" in p.stdout, p.stderr[-2000:]
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    again = data.read_metrics(out)
+    assert [row["step"] for row in again] == list(range(1, 10))
+    assert [row["loss"] for row in again] == [row["loss"] for row in rows]
+    # a new run where that checkpoint is would mix with it: refused, as a resume with nothing to resume is
+    p = zygote.run(args)
+    assert p.returncode != 0 and "checkpoints of an earlier run" in p.stderr, p.stderr[-2000:]
+    p = zygote.run(args[:-1] + [f"--out_dir={tmp_path}/new", "--resume=true"])
+    assert p.returncode != 0 and "holds no complete checkpoint" in p.stderr, p.stderr[-2000:]
+    # and a second run while one is at work in out_dir (which holds out_dir/lock; the test here) stops
+    with open(out / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = zygote.run(args + ["--resume=true"])
+    assert p.returncode != 0 and f"another run is using {out}" in p.stderr, p.stderr[-2000:]
