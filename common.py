@@ -151,9 +151,13 @@ def read_jsonl(path, required=None):
 
 
 def write_jsonl(path, rows):
+    """Write rows to path whole or not at all: into path.tmp, renamed over path once complete, so a run
+    killed mid-write (or out of disk) leaves the earlier file as it was (a resume's metrics.jsonl, its
+    history)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
 
 
 def barrier():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
-from common import Logger, pack, pack_sorted, read_jsonl
+from common import Logger, pack, pack_sorted, read_jsonl, write_jsonl
 from model import Config, Qwen, save_model
 
 
@@ -145,6 +145,16 @@ def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     with pytest.raises(ValueError, match="cannot read it"):
         read_jsonl(str(tmp_path / "missing.jsonl"))
     json.dumps(rows)
+
+
+def test_a_jsonl_file_is_replaced_whole_or_not_at_all(tmp_path):
+    # a rewrite that stops half-way (here a row that cannot be written; a kill or a full disk alike) leaves
+    # the earlier file as it was: the metrics rows a resume keeps are not lost with it
+    path = str(tmp_path / "metrics.jsonl")
+    write_jsonl(path, [{"step": 1}, {"step": 2}])
+    with pytest.raises(TypeError):
+        write_jsonl(path, [{"step": 1}, {"step": object()}])
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
 
 
 def test_a_zygote_child_exits_as_python_does(tmp_path):
