@@ -325,6 +325,15 @@ def loss_weights(sampled, questions, norm, max_tokens=None):
                      f"(with max_tokens), got {norm!r}")
 
 
+def split_mini_batches(num_kept, G, count):
+    """The kept trajectories (G a group, group after group) as at most `count` mini-batches of whole groups,
+    ranges of their indices: with loss_norm="group" Eq. 6's per-question weights then see all of a question's
+    kept rollouts (verl, too, counts a mini-batch in prompts). Fewer than count when fewer groups were kept,
+    or when count does not divide them: 3 groups in 2 mini-batches are 2 + 1."""
+    size = -(-num_kept // G // count) * G  # whole groups a mini-batch, rounded up, in trajectories
+    return [range(start, min(start + size, num_kept)) for start in range(0, num_kept, size)]
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, eps_low=0.2, eps_high=0.28, *,
                 dual_clip=None, num_tokens=None, weights=None, seq_ids=None, return_stats=False):
     """

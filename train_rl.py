@@ -117,7 +117,8 @@ grad_clip = 1.0  # the gradients' global norm is clipped to this
 eps_low = 0.2  # the ratio's lower clip: 1 - eps_low
 eps_high = 0.28  # the ratio's upper clip: 1 + eps_high (clip-higher)
 dual_clip = 0.0  # > 1 enables dual-clip for negative advantages (verl default 3.0); 0 = off
-# optimizer steps per RL step (paper: 1); 1 also saves the forward for the "old" log-probs
+# optimizer steps per RL step (paper: 1), each on whole groups (grpo_roc.split_mini_batches); 1 also saves the
+# forward for the "old" log-probs
 mini_batches = 1
 # the loss's three knobs (grpo_roc.py's docstring; configs/dr_grpo.py and configs/gspo.py set them otherwise)
 adv_scale = "std"  # the advantage estimator (grpo_roc.ADVANTAGES): "std" (Eq. 7), "none" (Dr.
@@ -451,10 +452,8 @@ while step < steps:
             param_group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps else lr
         # plan: every rank splits the kept trajectories into mini-batches and plans all their micro-batches
         # from the lengths alone, so all ranks agree on who trains what
-        per_mini = -(-len(kept) // mini_batches)  # len(kept) / mini_batches, rounded up
-        # mini-batches as ranges of kept indices, none empty
-        parts = [range(len(kept))[start:start + per_mini]
-                 for start in range(0, len(kept), per_mini)]
+        # mini-batches as ranges of kept indices, each whole groups, none empty
+        parts = grpo_roc.split_mini_batches(len(kept), keep_per_prompt, mini_batches)
         plans = [plan(kept, part) for part in parts]
         # exchange: each trajectory's tokens travel to the one rank that trains it
         owners = {key: owner for _bins, dest in plans for key, owner in dest.items()}

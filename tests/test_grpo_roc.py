@@ -576,6 +576,16 @@ def test_dr_grpo_loss_hand_computed():
         loss_weights(sampled, [0] * 4, "constant")
 
 
+def test_mini_batches_hold_whole_groups():
+    # 3 kept groups of G = 4 (12 trajectories) in 2 mini-batches: 2 groups + 1 (split 6 + 6, the middle
+    # group's rollouts went half to each, and Eq. 6 weighed each half as a whole question)
+    assert grpo_roc.split_mini_batches(12, 4, 2) == [range(0, 8), range(8, 12)]
+    assert grpo_roc.split_mini_batches(12, 4, 1) == [range(0, 12)]
+    assert grpo_roc.split_mini_batches(8, 4, 5) == [range(0, 4), range(4, 8)]  # fewer groups than asked
+    for parts in (grpo_roc.split_mini_batches(n * 4, 4, count) for n in range(1, 9) for count in range(1, 6)):
+        assert all(len(part) % 4 == 0 and part.start % 4 == 0 for part in parts)
+
+
 def test_gspo_loss_hand_computed():
     # configs/gspo.py: ratio_level="sequence", loss_norm="sequence". Two trajectories packed in one row:
     # log-ratios 0.1, 0.3 (seq 0, A = +1) and -0.5 (seq 1, A = -1); eps 0.2 / 0.28 here, to see one clip
