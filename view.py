@@ -80,8 +80,8 @@ def load(path):
     metrics_path = os.path.join(run_dir, "metrics.jsonl") if run_dir else ""
     metrics = []
     if os.path.isfile(metrics_path) and any(r.get("step") is not None for r in records):
-        with open(metrics_path) as f:
-            metrics = [json.loads(line) for line in f if line.strip()]
+        # a run being trained appends a row a step: its last line may be half written
+        metrics = read_records(metrics_path)
     return records, metrics
 
 

@@ -347,6 +347,10 @@ def test_a_run_read_while_its_dump_is_written(tmp_path, capsys):
     records, _ = view.load(str(tmp_path / "run"))
     assert records[:len(recs)] == recs and 0 < len(records) - len(recs) < len(recs)
     assert "step_000009.jsonl.gz is cut short" in capsys.readouterr().err
+    # metrics.jsonl of a run still training, read while a row is written: its complete rows
+    row = {"step": 7, "rollout/reward": 0.5, "tool/err": 0.0, "rollout/response_len": 60.0}
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row)[:30])
+    assert view.load(str(tmp_path / "run"))[1] == [row]
     # a line that is not JSON is named by file and line
     with gzip.open(rollouts / "step_000009.jsonl.gz", "wt") as f:
         f.write(json.dumps(recs[0]) + "\n{not json\n")
