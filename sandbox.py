@@ -36,7 +36,8 @@ How a status is decided (first rule that matches):
     crash       the worker died or stopped answering (timeout + 2 s), or the pool shut down first
     memory      the call went past its cgroup's cap (v1: the kernel killed one of its processes, its worker the
                 rest; v2: the kernel killed them all)
-    timeout     the wall-clock deadline passed (CPU limits miss `sleep`), or the CPU rlimit killed it
+    timeout     the wall-clock deadline passed (CPU limits miss `sleep`; the call's own alarm then kills it, or the
+                worker does), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
     error       an exception reached the top level (stderr: the release harness's words) or a non-zero exit
@@ -65,7 +66,9 @@ run() may be awaited from any event loop in any thread; map() blocks; submit() r
 concurrent.futures.Future at once.
 
 The code runs as the release's harness runs it and prints what it prints (sandbox_worker._run_as_release).
-`value` is the repr of a trailing expression (not None; like IPython's Out[]), which the harness prints last.
+`value` is the repr of a trailing expression (not None; like IPython's Out[]), which the harness prints last, cut
+at `output_cap` characters and 1 MiB of UTF-8. A call's only fds are its stdin, stdout and stderr, as in a fresh
+python3: its status and value come back through memory it shares with its worker (sandbox_worker.LAST_WORD).
 `duration` is the seconds the call ran in its worker (for overloaded: the seconds it waited).
 stdout and stderr are cut at `output_cap` bytes each; a line in stderr says how much was dropped.
 

@@ -47,6 +47,7 @@ import functools
 import gc
 import json
 import math
+import mmap
 import os
 import resource
 import select
@@ -70,6 +71,10 @@ CALL_DIR = "/tmp/call"
 CLONE_VM, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x100, 0x08000000, 0x10000000, 0x20000000
 # the stack of each call's init, which only ever calls pause()
 INIT_STACK = ctypes.create_string_buffer(1 << 16)
+# each call's last word (its status, a newline, its value, a NUL; 1 MiB at most), in memory the
+# worker shares with the call's child (mmap's MAP_SHARED): not on an fd, which the code would see
+# and could close (a fresh python3 has none past its stdio)
+LAST_WORD = mmap.mmap(-1, 1 << 20)
 # the C library, for what os lacks (mount, umount2, unshare, setns, clone, capset, prctl, madvise)
 libc = ctypes.CDLL(None, use_errno=True)
 libc.clone.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -228,14 +233,14 @@ def _call(code, stdin, timeout, cfg, vm):
         os.mkdir(tmp, 0o700)
         if cfg["uid"] is not None:
             os.chown(tmp, cfg["uid"], cfg["uid"])
-    # 2) its stdin (a memfd, written whole) and pipes for its stdout, stderr and last word (fd 3)
+    # 2) its stdin (a memfd, written whole), pipes for its stdout and stderr, an empty last word
     stdin_fd = os.memfd_create("stdin")
     # (its offset stays at 0, where the child reads)
     os.pwrite(stdin_fd, stdin.encode(errors="replace"), 0)
-    # the pipes' read ends (ours) and write ends (the child's), each in the order stdout, stderr,
-    # last word
-    reads, writes = zip(os.pipe(), os.pipe(), os.pipe())
-    child_fds = (stdin_fd, *writes)  # its 0, 1, 2 and 3
+    # the pipes' read ends (ours) and write ends (the child's), each in the order stdout, stderr
+    reads, writes = zip(os.pipe(), os.pipe())
+    child_fds = (stdin_fd, *writes)  # its 0, 1 and 2
+    LAST_WORD[0] = 0  # (an empty last word, unless the child writes one)
     _went_past_cap(cfg)  # (a late signal of an earlier call is not this call's)
     # 3) with bwrap, a pid namespace whose init holds it open; the child is born in it as pid 2
     init = _start_init() if isolated else None
@@ -270,14 +275,16 @@ def _call(code, stdin, timeout, cfg, vm):
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     # 6) decide the status (the rules are in sandbox.py's docstring)
-    # the child's last word: NUL, status, newline, value (repr escapes NUL; the code may write to fd 3 too)
-    ctl_status, _, value = outputs[2].rpartition("\0")[2].partition("\n")
+    # the child's last word: status, newline, value, NUL (repr escapes NUL)
+    ctl_status, _, value = LAST_WORD[:LAST_WORD.find(b"\0")].decode(
+        errors="replace").partition("\n")
     note, cpu = "", usage.ru_utime + usage.ru_stime
     sig = os.WTERMSIG(wstatus) if os.WIFSIGNALED(wstatus) else None
     # the cgroup's cap: the kernel killed one of its processes, and we the rest
     if _went_past_cap(cfg):
         status, note = "memory", "[sandbox] memory: the call went past its cgroup's cap and was killed"
-    elif timed_out or ctl_status == "timeout":  # killed here, or by its own alarm
+    # killed here, or by its own alarm (a SIGKILL once its time was up)
+    elif timed_out or (sig == signal.SIGKILL and duration >= timeout):
         status, note = "timeout", f"[sandbox] timeout: killed after {timeout:g} s"
     elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= cpu_limit):
         status, note = "timeout", f"[sandbox] timeout: CPU limit hit after {cpu:.1f} s"
@@ -323,8 +330,7 @@ def _went_past_cap(cfg):
 
 def _collect(pid, fds, deadline, cfg):
     """Read the call's pipes until it exits, its v1 cgroup runs out of memory (cfg's oom_event is readable) or
-    `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out). The control pipe (the last)
-    keeps 4 KiB more than the cap: the value comes through it."""
+    `deadline` passes: (texts, bytes dropped past the output cap per pipe, timed out)."""
     bufs, dropped, live = {fd: bytearray() for fd in fds}, dict.fromkeys(fds, 0), set(fds)
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
@@ -344,7 +350,7 @@ def _collect(pid, fds, deadline, cfg):
                 live.discard(fd)
                 return
             # keep what fits under the cap, count the rest as dropped
-            keep = max(0, cfg["output_cap"] + 4096 * (fd == fds[-1]) - len(bufs[fd]))
+            keep = max(0, cfg["output_cap"] - len(bufs[fd]))
             bufs[fd] += chunk[:keep]
             dropped[fd] += len(chunk[keep:])
 
@@ -364,7 +370,7 @@ def _collect(pid, fds, deadline, cfg):
         pump(fd, reads=64)
     for fd in (*fds, pidfd):
         os.close(fd)
-    return [bufs[fd].decode(errors="replace") for fd in fds], [dropped[fd] for fd in fds[:2]], timed_out and not exited
+    return [bufs[fd].decode(errors="replace") for fd in fds], list(dropped.values()), timed_out and not exited
 
 
 def _child(code, deadline, cpu_limit, cfg, vm, fds):
@@ -376,12 +382,12 @@ def _child(code, deadline, cpu_limit, cfg, vm, fds):
         # the call's own memory and pids cgroups (as root: the uid is still the worker's)
         for fd in cfg["cgroups"]:
             os.write(fd, b"0")
-        # stdin memfd, stdout, stderr, control pipe -> 0, 1, 2, 3 (first: a failure below is reported in the call's
+        # stdin memfd, stdout, stderr -> 0, 1, 2 (first: a failure below is reported in the call's
         # stderr)
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
-        # fds 0-3 were taken when the pipes were made, so no source was clobbered
-        os.closerange(4, 1 << 16)
+        # fds 0-2 were taken when the pipes were made, so no source was clobbered
+        os.closerange(3, 1 << 16)
         # the call's stdio, buffered as python3's own are on pipes (what a timeout or an error
         # loses depends on it): stdout by blocks, stderr by lines. Made here, on the pipes: made
         # on the worker's /dev/null, which can seek, a wrapper later asked the pipe its position
@@ -468,10 +474,8 @@ def _child(code, deadline, cpu_limit, cfg, vm, fds):
         for f in (sys.stdout, sys.stderr, sys.__stdout__) if stdout_kept else (sys.stderr,):
             with contextlib.suppress(BaseException):
                 f.flush()
-        msg = ("\0" + status + "\n" + value[:cfg["output_cap"]]).encode(errors="backslashreplace")
-        # the last word on fd 3, written whole (a pipe may take it in parts)
-        while msg:
-            msg = msg[os.write(3, msg):]
+        msg = (status + "\n" + value[:cfg["output_cap"]]).encode(errors="backslashreplace")
+        LAST_WORD.write(msg[:len(LAST_WORD) - 1] + b"\0")
     except BaseException:
         with contextlib.suppress(BaseException):
             os.write(2, traceback.format_exc().encode())
@@ -546,14 +550,12 @@ def _release_words(e, code, offset=0):
 def _deadline(signum, frame):
     """A call's own alarm, due at its deadline (a moment before the worker would kill it): flush what the
     code printed and end the call, as the release's alarm handler does (it prints "Suicide from timeout."
-    with flush=True, which the tool response adds). The worker reads the call's status from fd 3."""
+    with flush=True, which the tool response adds). The worker reads a SIGKILL past the deadline
+    as a timeout."""
     # (it fails e.g. when the code was inside a write to stdout: what is in the buffer is then lost)
     with contextlib.suppress(BaseException):
         sys.stdout.flush()
-    try:
-        os.write(3, b"\0timeout")
-    finally:
-        os.killpg(0, signal.SIGKILL)  # the call's process group, this process included
+    os.killpg(0, signal.SIGKILL)  # the call's process group, this process included
 
 
 # ------------------------------------------------------------------------------------------------
