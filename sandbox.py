@@ -40,7 +40,8 @@ How a status is decided (first rule that matches):
                 worker does), or the CPU rlimit killed it
     crash       killed by any other signal (segfault, abort, a self-kill)
     memory      a MemoryError reached the top level (the address-space limit was hit)
-    error       an exception reached the top level (stderr: the release harness's words) or a non-zero exit
+    error       an exception reached the top level (stderr: the release harness's words; for a SIGINT, python3's
+                KeyboardInterrupt traceback) or a non-zero exit
     ok          anything else, including sys.exit(0) and os._exit(0)
 Knobs (keyword arguments; the training configs set them):
     workers        slots, each running one call at a time in its lean or rich worker (default: the node's CPU

@@ -434,8 +434,10 @@ def _child(code, deadline, cpu_limit, cfg, vm, fds):
         _check(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
         if cfg["mode"] == "none":  # elsewhere the namespace ends with its init
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the worker
-        # its own deadline (only here: the worker never runs it)
+        # its own deadline (only here: the worker never runs it), and python3's KeyboardInterrupt
+        # for a SIGINT (the worker has no handler, so that no call's init runs one in its memory)
         signal.signal(signal.SIGALRM, _deadline)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(cfg["tmp"])
         main = types.ModuleType("__main__")
         main.__file__ = "<string>"  # as in the release's globals for the code

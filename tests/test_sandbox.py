@@ -122,6 +122,10 @@ HOSTILE = [  # (name, code, stdin, status, text expected in stdout or stderr)
      "", "ok", "spawned"),
     ("big_file", "with open('big', 'wb') as f:\n    for i in range(1024):\n        f.write(b'x' * 2**20)", "",
      "error", "OSError"),  # RLIMIT_FSIZE (or the sized /tmp): 256 MiB here
+    # python3's KeyboardInterrupt and its traceback, as for a Ctrl-C (it was a crash: SIGINT had no
+    # handler)
+    ("self_sigint", "import os, signal\nos.kill(os.getpid(), signal.SIGINT)", "", "error",
+     "KeyboardInterrupt"),
 ]
 
 
