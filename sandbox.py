@@ -93,7 +93,9 @@ its attacks as root and as a normal user):
     mount API, kexec, modules and the rest of DENIED with EPERM; a syscall through another ABI than the machine's
     (i386's int 0x80, x32) kills the call. mount, umount2, setns and other unshares, which the worker makes for
     each call, the filter allows and the kernel refuses to a call: it holds no capability in any namespace and
-    cannot make a user namespace. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual;
+    cannot make a user namespace. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual
+    (within 64 processes and threads a call: multiprocessing.Pool() with no count fails on a node of more than
+    about 58 CPUs, docs/sandbox.md says why and what to do);
   - hangs and busy loops (wall deadline, then the call's pid namespace is killed), fork bombs (with a cgroup, its
     pids.max; without one, RLIMIT_NPROC), memory blow-ups (the cgroup, RLIMIT_AS), huge files and outputs
     (RLIMIT_FSIZE, the sized tmpfs, output caps), crashes and self-kills of the worker (it is replaced and the
