@@ -82,7 +82,10 @@ def test_code_reward_runs_the_hidden_tests_and_is_not_the_math_reward(pool):
     ("the harness's frame", "import sys\ng = sys._getframe(1).f_globals\ng['_dumps'] = lambda v: '5'\n"
                             "def f(x):\n    return 0"),
     ("hangs", "def f(x):\n    while True:\n        pass"),
-    ("writes the value's pipe", "import os\nos.write(3, b\"\\0ok\\n'5'\")\nos._exit(0)"),
+    # the sandbox's own record of the call's status and value (sandbox_worker.LAST_WORD, a shared map), forged
+    ("writes the call's last word", "import os, sys\nf = sys._getframe()\nwhile 'LAST_WORD' not in f.f_globals:\n"
+                                    "    f = f.f_back\nf.f_globals['LAST_WORD'].seek(0)\n"
+                                    "f.f_globals['LAST_WORD'].write(b\"ok\\n'5'\\0\")\nos._exit(0)"),
 ])
 def test_code_reward_cannot_be_forged_by_the_solution(pool, name, code):
     # an earlier attempt paid 1.0 to a solution that redefined `type` where the tests ran: here each test runs
