@@ -27,7 +27,7 @@ In this file, top to bottom:
 
 The tool turn is the release's, token for token, so that the released model runs here unchanged; where
 it differs from the paper, and what we could not make identical, is in the release-fidelity notes at the
-end of this file and in the README's fidelity table.
+end of this file and in docs/fidelity.md's table.
 """
 
 import itertools
@@ -573,7 +573,7 @@ def extract_answer(text):
 
 
 # -----------------------------------------------------------------------------
-# release-fidelity notes (the README's fidelity table has the rest: the tool name, the schema without
+# release-fidelity notes (docs/fidelity.md's table has the rest: the tool name, the schema without
 # "return", the tool-response length, surplus and malformed calls, where the answer is read)
 #
 # The tool turn is the release's code, token for token (rStar repo: rstar2_agent/rollout/
@@ -593,7 +593,7 @@ def extract_answer(text):
 # - the whole text is cut to max_chars characters: first and last max_chars // 2 around
 #   "...(truncated)..."; the texts of a call that did not parse or raised are not cut.
 #
-# How a sandbox result maps onto code-judge's report (run with the README's MAX_EXECUTION_TIME=4):
+# How a sandbox result maps onto code-judge's report (run with rStar's MAX_EXECUTION_TIME=4):
 #     ok        success; stdout is what was printed, then the repr of a trailing expression (our `value`,
 #               which the release's harness prints too: IPython-style, and only when it is not None)
 #     error     failure, reason "", stderr "ErrType at line N: msg" + the line (the harness's words);

@@ -8,8 +8,10 @@ Pure math on tensors and plain records (imports torch only). One RL step uses it
         p = [penalty(calls, failed_calls, answers, turns) for each rollout]
         idx = resample_on_correct(rewards[g], torch.tensor(p), G, generator)
     adv = advantages(kept_rewards, "std", positives(rewards[g])[idx])   # (num_groups, G)
-    w = loss_weights(sampled_tokens, questions, "token")                 # one weight per trajectory
-    loss = policy_loss(logprobs, old_logprobs, w * adv, mask)            # clipped, over N sampled tokens
+    parts = split_mini_batches(num_kept, G, mini_batches)               # whole groups each
+    for each mini-batch:
+        w = loss_weights(sampled_tokens, questions, "token")             # one weight per trajectory
+        loss = policy_loss(logprobs, old_logprobs, w * adv, mask)        # clipped, over N sampled tokens
 
 Why each piece (paper §2.2):
 1. a group whose 2G rewards are all equal has zero advantage everywhere, so it only costs compute:

@@ -9,10 +9,11 @@ One step: take B prompts -> 2G multi-turn rollouts each (rollout.py engines, wor
 ranks by free KV capacity in scheduler.py, tool calls in the sandbox pool) -> the task's reward
 (tasks/math.py by default: 0/1 by math-verify, graded by grading.py) -> GRPO-RoC (grpo_roc.py): drop
 groups whose rewards are all equal, Resample-on-Correct 2G -> G, group-normalised advantages ->
-token-balanced micro-batches -> the "old" log-probs (with one optimizer step per RL step, the update's
-own forward, detached) -> clipped token-mean policy loss -> AdamW -> new weights to the engines. Every
-step also logs how far the engine's sampling-time log-probs are from the trainer's (mismatch/*); tis_cap
-and mismatch_band correct for it (off: not in the paper).
+mini-batches of whole groups (mini_batches, 1 by default), each in token-balanced micro-batches -> the
+"old" log-probs (with one optimizer step per RL step, the update's own forward, detached) -> clipped
+token-mean policy loss -> AdamW -> new weights to the engines. Every step also logs how far the engine's
+sampling-time log-probs are from the trainer's (mismatch/*); tis_cap and mismatch_band correct for it
+(off: not in the paper).
 
 How this deviates from textbook GRPO (all from the paper, §2.2):
 - Resample-on-Correct: positives are down-sampled with probability ∝ 1/(p_err + p_format), so the
@@ -27,7 +28,8 @@ How this deviates from textbook GRPO (all from the paper, §2.2):
 
 Weights for generation: each rank keeps an unsharded inference copy of the policy (bf16 on GPU) next
 to its FSDP2 training shards; after every optimizer step each parameter is gathered with
-`full_tensor()` one at a time and copied into it (a 14B model: 29.6 GB bf16 per rank; see README).
+`full_tensor()` one at a time and copied into it (a 14B model: 27.5 GiB bf16 per rank;
+docs/scale.md).
 """
 import functools
 import glob
@@ -92,7 +94,8 @@ kv_fraction = 0.5  # the rest stays for training: activations, gathered layers, 
 # KV promised to a rollout at admission: None follows what the step's rollouts used (the engine's
 # reserve="auto"); a number is that share of the budget, fixed (1: all of it, never preempts)
 kv_reserve = None
-# True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped)
+# True: runs repeat bit for bit on a busy machine too (static split; tools not overlapped; torch's
+# deterministic kernels)
 deterministic = False
 # how ranks share the rollouts: "dynamic" (claim by free KV) or "static" (fixed split)
 rollout_split = "dynamic"
