@@ -67,9 +67,10 @@ run() may be awaited from any event loop in any thread; map() blocks; submit() r
 concurrent.futures.Future at once.
 
 The code runs as the release's harness runs it and prints what it prints (sandbox_worker._run_as_release).
-`value` is the repr of a trailing expression (not None; like IPython's Out[]), which the harness prints last, cut
-at `output_cap` characters and 1 MiB of UTF-8. A call's only fds are its stdin, stdout and stderr, as in a fresh
-python3: its status and value come back through memory it shares with its worker (sandbox_worker.LAST_WORD).
+`value` is the repr of a trailing expression (like IPython's Out[]; "" when there is none or it is None), which
+the harness prints last; it is cut at `output_cap` characters and 1 MiB of UTF-8. A call's only fds are its stdin,
+stdout and stderr, as in a fresh python3: its status and value come back through memory it shares with its worker
+(sandbox_worker.LAST_WORD).
 `duration` is the seconds the call ran in its worker (for overloaded: the seconds it waited).
 stdout and stderr are cut at `output_cap` bytes each; a line in stderr says how much was dropped.
 
@@ -89,8 +90,9 @@ its attacks as root and as a normal user):
   - reading the host: the view above;
   - the kernel's wider surface: a seccomp filter (built by libseccomp, _seccomp; loaded by bwrap for the worker,
     so every call inherits it at no cost) denies the keyring calls, new user namespaces (unshare and clone with
-    CLONE_NEWUSER, clone3), io_uring, userfaultfd, bpf, perf_event_open, ptrace and the process_vm calls, the new
-    mount API, kexec, modules and the rest of DENIED with EPERM; a syscall through another ABI than the machine's
+    CLONE_NEWUSER), io_uring, userfaultfd, bpf, perf_event_open, ptrace and the process_vm calls, the new mount
+    API, kexec, modules and the rest of DENIED with EPERM, and clone3 with ENOSYS (its flags are out of the
+    filter's reach: glibc falls back to clone, whose flags it reads); a syscall through another ABI than the machine's
     (i386's int 0x80, x32) kills the call. mount, umount2, setns and other unshares, which the worker makes for
     each call, the filter allows and the kernel refuses to a call: it holds no capability in any namespace and
     cannot make a user namespace. Threads, subprocesses, multiprocessing, numpy, scipy and sympy work as usual

@@ -17,8 +17,8 @@ A row: {"question": "...", "size": 4, "start": [0, 0], "goal": [2, 3], "walls": 
 says all of it (`python data.py grid-set` writes a tiny set). Positions are (x, y): "right" adds 1 to x, "up"
 adds 1 to y. A move into a wall or off the grid leaves the walker where it is, and is answered so ("blocked");
 the move count counts it. A move with an unknown direction, or after the goal was reached, is a failed call
-(status "error": p_err and tool/err count it). A row that cannot be walked (its goal walled off, a position off
-the grid or not [x, y]) is refused with its question (check()) before a run or trace starts.
+(status "error": p_err and tool/err count it). A row that cannot be walked (its goal walled off, the start a
+wall, a position off the grid or not [x, y]) is refused with its question (check()) before a run or trace starts.
 
 SFT traces from the real environment: `python data.py traces --task=tasks/gridworld.py` runs trace()'s moves
 through a GridWorld of each row, so every tool message is what the environment answered.
