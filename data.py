@@ -64,7 +64,7 @@ above (not OpenMathReasoning's solutions, one row each), and the candidates stre
      digits; LaTeX commands and punctuation split words) with any problem of the benchmark files is dropped.
 It prints what each filter removed, and writes {"question", "answer", "source"(, "id")}: what train_rl.py and
 eval.py read, with the source file's name kept. The label check (a problem stays when at least 2 of 16
-answers of a strong model match its label) is a run of eval.py with --keep_solved (README, "RL data").
+answers of a strong model match its label) is a run of eval.py with --keep_solved (docs/data.md, "RL data").
 """
 
 import argparse
@@ -515,8 +515,8 @@ def rl_set(in_paths, bench_paths, out_path, n=8):
     """
     Build the RL problem set: read the candidates of in_paths in order, keep integer answers, drop
     duplicates, drop every problem sharing an n-gram with a problem of bench_paths, write out_path.
-    The candidates stream through (memory: the benchmark grams and one 64-bit hash per kept question, not
-    the rows). Returns the counts {filter: problems it removed, ...} and prints them.
+    The candidates stream through (memory: the benchmark grams and two 64-bit hashes per kept question, its
+    text and its whitespace-collapsed text, not the rows). Returns the counts {filter: problems it removed, ...} and prints them.
     """
     if os.path.abspath(out_path) in {os.path.abspath(path) for path in in_paths + bench_paths}:
         raise ValueError(f"{out_path}: the output is also an input; writing it would erase it")

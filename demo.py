@@ -23,7 +23,7 @@ out/demo/seeds.md, out/demo/seeds.png, and the numbers of both in out/demo/seeds
 SFT model gets one more SFT epoch on traces of the same problems in which 60% of the first calls (not 25%) fail (a
 typo, a wrong name, a missing parenthesis) and the next turn fixes them. Its data, model and runs live under
 out/recover/; before the seeds it writes the premise check: after SFT, how often a trajectory whose first call
-failed is right, against one whose first call ran (out/recover/demo/premise.md). Measured (README, "Is RoC's
+failed is right, against one whose first call ran (out/recover/demo/premise.md). Measured (docs/results.md, "Is RoC's
 effect real at this scale?", with --rl.steps=60): RoC's tool error ratio in correct trajectories ends lower than
 GRPO's in all 5 seeds (paired −0.066 ± 0.025), although recovering pays less than a clean call here (44% vs 66%
 right: the 1M model copies the numbers into the fixed call less reliably than into the first one).
@@ -327,7 +327,7 @@ summary = "\n".join(table) + "\n\n" + "\n".join(
     f"{sum(r.get('mismatch/abs_mean', 0.0) for r in m) / len(m):.2e}" for n, m in last.items())
 summary += f"\n\nseed {seed}; {before['problems']} held-out problems × {before['samples']} samples; " \
            f"wall time {(time.time() - t_start) / 60:.1f} min\n"
-# where this run's rows fall against what the same command printed before (held-out avg@4, %; README "Results"):
+# where this run's rows fall against what the same command printed before (held-out avg@4, %; docs/results.md):
 # the 1M-parameter SFT amplifies small differences, so another CPU (its kernels round differently) or another SFT
 # seed moves the SFT row by points, not tenths, and RL narrows the gap. Only the default run is comparable.
 XEON = "an Intel Xeon with AVX-512 and AMX (2 cores, KVM), 1c65858"

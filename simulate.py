@@ -49,7 +49,7 @@ SIM_PARAMS = {  # key: (default, source). printed with every result; never tuned
                                   "is activations, graphs, runtime"),
     "kv_tokens": (0, "KV tokens per engine; 0 = (mem_fraction_static * hbm_bytes - weights) / "
                      "kv_bytes_per_token"),
-    "reserve": (0.5, "rollout.Engine's default (README: why): paged admits a rollout while the KV not yet "
+    "reserve": (0.5, "rollout.Engine's default (docs/speed.md: why): paged admits a rollout while the KV not yet "
                      "promised holds prompt + reserve x budget"),
     "auto_prior": (0.5, "rollout.AUTO_PRIOR: adaptive counts a rollout not yet finished at this share of "
                         "the budget"),

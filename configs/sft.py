@@ -1,7 +1,7 @@
 # non-reasoning SFT of Qwen3-14B-Base (paper §4.1): 3 epochs, LR 5e-6, 4% warm-up, cosine, batch 128
 #   torchrun --nnodes 8 --nproc_per_node 8 train_sft.py configs/sft.py
 model_path = "models/Qwen3-14B-Base"
-data_mix = [  # (JSONL, format, passes per epoch): the paper's ~222K conversations, converted as the README says
+data_mix = [  # (JSONL, format, passes per epoch): the paper's ~222K conversations, converted as docs/data.md says
     ("data/sft/toolace.jsonl", "chat", 1.0),          # ToolACE-11K        } 117K function-call
     ("data/sft/apigen_mt.jsonl", "chat", 1.0),        # APIGen-MT-5K       } conversations
     ("data/sft/glaive_v2.jsonl", "chat", 1.0),        # Glaive-function-calling-v2-101K

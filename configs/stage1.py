@@ -21,6 +21,6 @@ max_tokens_per_micro = 20480 # verl's ppo_max_token_len_per_gpu in the released 
 activation_checkpointing = True
 dtype = "bfloat16"
 kv_capacity = 0              # 0 = from free accelerator memory after weights
-tool_workers = 0             # the node's cores shared by its 8 ranks: ~0.5 calls are in flight per rank (README)
+tool_workers = 0             # the node's cores shared by its 8 ranks: ~0.5 calls are in flight per rank (docs/scale.md)
 save_every = 20
 dump_every = 50              # a dump holds all 16,384 rollouts of a step: ~1 GB of JSON at 4K tokens each (estimate)

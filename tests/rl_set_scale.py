@@ -1,5 +1,5 @@
 """
-`python data.py rl-set` at the paper's size, on synthetic data: time and peak memory (README, "RL data").
+`python data.py rl-set` at the paper's size, on synthetic data: time and peak memory (docs/data.md, "RL data").
 
     python tests/rl_set_scale.py [--scale=1.0] [--dir=/tmp/rl_set_scale] [--seed=0]
 

@@ -167,7 +167,7 @@ def test_command_line_and_bad_rows(tmp_path):
 
 
 def test_synthetic_set_at_one_percent_counts_as_planted(tmp_path):
-    # tests/rl_set_scale.py's data (the README's time and memory) at 1%: every filter's count is what was
+    # tests/rl_set_scale.py's data (docs/data.md's time and memory) at 1%: every filter's count is what was
     # planted: labels in each spelling, copies, 8- and 7-word runs of benchmark problems
     import rl_set_scale
     sources, benchmarks, planted = rl_set_scale.make(str(tmp_path), scale=0.01)
