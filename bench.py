@@ -3,8 +3,8 @@ Side-by-side speed benchmarks of our rollout engine (rollout.Engine + model.forw
 transformers' `generate`, on the same random model in the same process. Benchmarks, not timed tests:
 they print tables with both sides and the ratio; nothing asserts a speed.
 
-    python bench.py            # a, l, b and c below (~5 minutes on one thread of a 2-core CPU)
-    python bench.py a          # or l, b, c, p (p: profile, not part of the default run)
+    python bench.py            # a, l, b, k and c below (~5 minutes on one thread of a 2-core CPU)
+    python bench.py a          # or l, b, k, c, u, g, p (u, g and p are not part of the default run)
     python bench.py sandbox    # the tool sandbox pool vs a fresh python3 per call (~3 minutes)
     python bench.py scale      # what crosses ranks after a rollout phase, before / after, at 64-GPU scale
     python bench.py mem        # one 14B rank's training transients (a layer's recompute, the output layer)
@@ -44,6 +44,8 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     engine parses the calls, parks and resumes rows and prefills each tool response into the kept KV.
     transformers: the natural loop, one `generate` per turn on the whole left-padded history
     (re-prefill), with the same forcing as a logits processor. Both must produce identical trajectories.
+(k) (l)'s and (b)'s workloads on the paged engine (reserve 0.5 and "auto") against the full-reservation
+    engine (reserve 1.0), at several KV memories (paging()).
 (c) the scheduler simulator's table (static vs dynamic at 64-engine scale), run as a subprocess with
     --efficiency = the share of the compute bound our engine reached in (a) (see main for why).
 (sandbox) the tool pool (sandbox.py, isolation on) vs the released executor's pattern, a fresh python3
@@ -60,6 +62,7 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     (needs out/tiny-sft and out/data from `bash run.sh`'s first two stages, or --model_path / --data_path).
 (u) the policy update of one tiny RL step, the way train_rl.py did it before issue 32 (pack, the output layer
     at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
+(g) grading inline in the engine's on_finish vs grading.Grader off the decode loop (grading_off_the_loop).
 (scale) what crosses ranks after a rollout phase, measured on 2 gloo ranks and extrapolated to 64 by the
     measured cost per trajectory times the count, each term printed (never below 0).
 (trl) RL steps of train_rl.py (rollout + grade + update) against TRL's GRPOTrainer's on the same
