@@ -1,8 +1,9 @@
 """
 Checkpoints (HF-format weights + sharded trainer state) that `--resume` finds again: where they live, how
-they are written whole or not at all, which ones rotation keeps, and how a run loads them back. Split from
-common.py as nanochat keeps its checkpoint_manager.py: common.py stays plumbing that imports nothing of the
-project, this file imports the model.
+they are written whole or not at all, which ones rotation keeps, and how a run loads them back; and the run
+directory's guards, for train_rl.py and train_sft.py alike: its two refusals (resume_point) and its lock
+(lock_run). Split from common.py as nanochat keeps its checkpoint_manager.py: common.py stays plumbing that
+imports nothing of the project, this file imports the model.
 """
 import fcntl
 import glob

@@ -10,7 +10,7 @@ one GPU:             python eval.py configs/eval_aime.py --model_path=DIR --data
 8 GPUs:              torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=DIR --data_path=aime24.jsonl
 
 --model_path is an HF directory (weights + tokenizer; the released rStar2-Agent-14B loads unchanged) or a run
-directory, whose latest step_*/ checkpoint with HF weights is used. --data is JSONL, one problem per line,
+directory, whose latest step_*/ checkpoint with HF weights is used. --data_path is JSONL, one problem per line,
 with the columns of the task (--task; the default math task's: {"question": "<bare problem text>",
 "answer": "<gold answer as a string>"}; every field reaches the task's prompt and grade). Under torchrun the problems are shared across ranks by scheduler.py (claim by free KV
 capacity). A rank's memory does not grow with the data file: each prompt is tokenized once, a request is
