@@ -311,8 +311,8 @@ def _without_notes(stderr):
 def tool_response_text(result, max_chars=256):
     """
     The text the model sees for one ToolResult (or the sandbox's Result, of the same fields), worded as
-    the release's client words code-judge's report of the same run (the mapping is in the module
-    docstring), then cut to max_chars.
+    the release's client words code-judge's report of the same run (the mapping is in the release-fidelity
+    notes at the end of this file), then cut to max_chars.
     """
     status = result.status
     if status == "overloaded":
@@ -333,7 +333,7 @@ def tool_response_text(result, max_chars=256):
     parts = (head
              + ([f"stdout: {stdout}"] if stdout else [])
              + ([f"stderr: {stderr}"] if stderr else []))
-    # not measured: see the module docstring
+    # not measured: see the release-fidelity notes at the end of this file
     seconds = round(result.duration) if status == "timeout" else 0.01
     return truncate("\n".join(parts + [f"execution time: {seconds:.2f}s"]), max_chars)
 
