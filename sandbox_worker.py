@@ -299,7 +299,7 @@ def _call(code, stdin, timeout, cfg, vm):
              for name, n in zip(("stdout", "stderr"), dropped) if n] + ([note] if note else [])
     stderr = outputs[1] + ("\n" if notes and outputs[1] and not outputs[1].endswith("\n") else "") + "\n".join(notes)
     return {"status": status, "stdout": outputs[0], "stderr": stderr,
-            "value": value, "duration": duration}
+            "value": value[:cfg["output_cap"]], "duration": duration}
 
 
 def _start_init():
@@ -476,6 +476,7 @@ def _child(code, deadline, cpu_limit, cfg, vm, fds):
         for f in (sys.stdout, sys.stderr, sys.__stdout__) if stdout_kept else (sys.stderr,):
             with contextlib.suppress(BaseException):
                 f.flush()
+        # (cut here, before it is encoded whole; and by the worker, which trusts no last word)
         msg = (status + "\n" + value[:cfg["output_cap"]]).encode(errors="backslashreplace")
         LAST_WORD.write(msg[:len(LAST_WORD) - 1] + b"\0")
     except BaseException:

@@ -126,6 +126,10 @@ HOSTILE = [  # (name, code, stdin, status, text expected in stdout or stderr)
     # handler)
     ("self_sigint", "import os, signal\nos.kill(os.getpid(), signal.SIGINT)", "", "error",
      "KeyboardInterrupt"),
+    # the call's last word (sandbox_worker.LAST_WORD) filled whole, no end: its value is cut at the cap all the same
+    ("last_word_flooded", "import os, sys\nf = sys._getframe()\nwhile 'LAST_WORD' not in f.f_globals:\n"
+     "    f = f.f_back\nw = f.f_globals['LAST_WORD']\nw.seek(0)\nw.write(b'ok\\n' + b'x' * (len(w) - 3))\n"
+     "os._exit(0)", "", "ok", ""),
 ]
 
 
@@ -140,6 +144,7 @@ def test_hostile(pool, name, code, stdin, status, text):
         assert 1.4 < r.duration < 3.0 and time.monotonic() - t < 1.5 + sandbox.GRACE, r
     if name == "print_100MB":
         assert len(r.stdout.encode()) <= pool.output_cap and r.stdout.startswith("xxxx")
+    assert len(r.value) <= pool.output_cap, len(r.value)
     if name in ("thread_left_running", "child_ignores_sigterm"):  # answered at once, then cleaned up
         assert r.duration < 1.0, r
     if name == "write_repo":
