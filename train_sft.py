@@ -40,6 +40,8 @@ directory (with the tokenizer and the chat template it was trained with) that ev
 With save_every = N, every N-th step also writes a checkpoint to out_dir/step_*/ (weights and AdamW state,
 checkpoint.py's, the newest one kept); --resume=true continues from it and ends on the weights the
 uninterrupted run ends on, bit for bit (the data order is a function of the seed, the epoch and the step).
+A resume whose steps would read other conversations than the run's (other files or weights in the mix,
+another seed or batch_size) is refused; the schedule's settings (lr, epochs, ...) may change.
 Importing this file runs nothing: the tests use the functions below.
 """
 import json
@@ -269,6 +271,9 @@ if __name__ == "__main__":
     epoch_len = len(epoch_order(sizes, weights, seed, 0))
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
+    # what decides the conversations of each step (epoch_order's inputs and the batch size): a resumed
+    # run must have it as the checkpoint's run had
+    order_key = [sizes, weights, seed, batch_size]
 
     # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left
     # checkpoints stops here
@@ -281,6 +286,10 @@ if __name__ == "__main__":
     if start:
         state = load_trainer_state(start, model, optimizer)
         step, skipped, trained = state["step"], state["skipped"], state["trained"]
+        if state["order_key"] != order_key:
+            sys.exit(f"config error: {start} was saved by a run with (conversations per file, "
+                     f"weights, seed, batch_size) = {state['order_key']}, this has {order_key}: "
+                     f"from step {step} on it trains other conversations; resume with the run's")
         print0(f"resumed from {start} at step {step}")
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch
@@ -369,7 +378,8 @@ if __name__ == "__main__":
             # 7. the checkpoint, every save_every steps: what --resume continues from
             if save_every and step % save_every == 0:
                 save_checkpoint(checkpoint_dir(out_dir, step), model, optimizer, tokenizer,
-                                {"step": step, "skipped": skipped, "trained": trained}, keep=1)
+                                {"step": step, "skipped": skipped, "trained": trained,
+                                 "order_key": order_key}, keep=1)
 
     save_model(model, out_dir)
     if rank == 0:

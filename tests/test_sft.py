@@ -356,6 +356,14 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_ends(tiny, tmp_path):
     again = data.read_metrics(out)
     assert [row["step"] for row in again] == list(range(1, 10))
     assert [row["loss"] for row in again] == [row["loss"] for row in rows]
+    # a resume whose steps would read other conversations (the batch size, the mix's files and weights or
+    # the seed changed) is a different run: it went on at step 5 of another order without a word, trained
+    # some conversations twice and others not at all. Refused, the run directory as it was
+    for changed in ["--batch_size=4", "--seed=1", f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.5)]"]:
+        p = zygote.run(args + ["--resume=true", changed])
+        assert p.returncode != 0 and "config error: " in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert "trains other conversations" in p.stderr, (changed, p.stderr[-2000:])
+        assert data.read_metrics(out) == again
     # a new run where that checkpoint is would mix with it: refused, as a resume with nothing to resume is
     p = zygote.run(args)
     assert p.returncode != 0 and "checkpoints of an earlier run" in p.stderr, p.stderr[-2000:]
