@@ -263,11 +263,11 @@ if __name__ == "__main__":
             sys.exit(f"data error: {error}")
         except OSError as error:
             sys.exit(f"data error: {path}: cannot read it ({error.strerror})")
-        mix.append((path, fmt, weight, rows, open(path, "rb")))
+        mix.append((path, fmt, rows, open(path, "rb")))
         print0(f"{path}: {len(rows)} conversations, format {fmt}, weight {weight}")
-    # mix holds (path, format, weight, rows, open file)
-    sizes = [len(entry[3]) for entry in mix]
-    weights = [entry[2] for entry in mix]
+    # mix holds (path, format, rows, open file); the weights are data_mix's
+    sizes = [len(entry[2]) for entry in mix]
+    weights = [entry[2] for entry in data_mix]
     epoch_len = len(epoch_order(sizes, weights, seed, 0))
     if epoch_len == 0:
         sys.exit("data error: the mix has no conversations")
@@ -320,7 +320,7 @@ if __name__ == "__main__":
             step_items = order[step_in_epoch * batch_size:(step_in_epoch + 1) * batch_size]
             my_renders = []  # (ids, mask) of each conversation this rank renders, or its error text
             for file_index, row_index in step_items[rank::world]:
-                path, fmt, _, rows, file = mix[file_index]
+                path, fmt, rows, file = mix[file_index]
                 try:
                     my_renders.append(load(tokenizer, file, path, fmt, rows[row_index]))
                 except ValueError as error:
@@ -346,8 +346,9 @@ if __name__ == "__main__":
             # 4. forward and backward, one packed micro-batch at a time (this rank's share of the
             # bins; every rank gets as many bins, so all run the same number of passes)
             bins = pack([len(example["ids"]) for example in batch], max_tokens_per_micro, world)
-            # the step's loss, summed over this rank's micro-batches (then over the ranks, below)
-            loss_sum = torch.zeros((), device=device)
+            # the step's loss, summed over this rank's micro-batches (then over the ranks, below): a
+            # tensor from the first one on (pack gives every rank one bin at least)
+            loss_sum = 0
             for micro_bin in bins[rank::world]:
                 micro_batch = collate([batch[index] for index in micro_bin], device, packed)
                 # the output layer runs on the trained (assistant) tokens alone: log-probs are 0 elsewhere
