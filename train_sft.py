@@ -203,7 +203,8 @@ if __name__ == "__main__":
 
     from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
                             resume_point, save_checkpoint)
-    from common import Logger, compute_cleanup, compute_init, pack, print0, resolve_model
+    from common import (Logger, compute_cleanup, compute_init, pack, pack_sorted, print0,
+                        resolve_model)
     from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
     from scheduler import gather
@@ -219,7 +220,7 @@ if __name__ == "__main__":
     lr_min_ratio = 0.0
     warmup_ratio = 0.04  # paper: 4 %
     batch_size = 128  # conversations per optimizer step, all ranks together (paper: 128)
-    max_tokens_per_micro = 8192  # packed tokens per micro-batch and rank
+    max_tokens_per_micro = 8192  # tokens per micro-batch and rank, any padding included
     max_seq_len = 8192  # longer conversations are skipped (and counted)
     weight_decay = 0.0
     grad_clip = 1.0
@@ -343,11 +344,14 @@ if __name__ == "__main__":
             n_tokens = sum(sum(example["mask"]) for example in batch)
             trained += n_tokens
 
-            # 4. forward and backward, one packed micro-batch at a time (this rank's share of the
-            # bins; every rank gets as many bins, so all run the same number of passes)
-            bins = pack([len(example["ids"]) for example in batch], max_tokens_per_micro, world)
+            # 4. forward and backward, one micro-batch at a time (this rank's share of the bins;
+            # every rank gets as many bins, so all run the same number of passes). A packed row
+            # (flash-attn) costs its tokens; right-padded rows (SDPA) cost count x the longest, so
+            # conversations of similar length share one (pack_sorted): max_tokens_per_micro bounds both
+            lengths = [len(example["ids"]) for example in batch]
+            bins = (pack if packed else pack_sorted)(lengths, max_tokens_per_micro, world)
             # the step's loss, summed over this rank's micro-batches (then over the ranks, below): a
-            # tensor from the first one on (pack gives every rank one bin at least)
+            # tensor from the first one on (either packing gives every rank one bin at least)
             loss_sum = 0
             for micro_bin in bins[rank::world]:
                 micro_batch = collate([batch[index] for index in micro_bin], device, packed)

@@ -306,6 +306,47 @@ def test_sft_run_on_a_mix_lowers_the_loss_on_each_kind(tiny, mixed):
         assert after < 0.5 * before, (fmt, before, after)  # measured: 7.6 -> 2.6 on both
 
 
+# train_sft.py run as a script, the largest micro-batch it builds (its tensor's tokens, padding included)
+# written to out_dir/largest
+LARGEST_MICRO_BATCH = """import runpy, sys
+import model
+
+collate = model.collate
+largest = [0]
+
+
+def measured(seqs, device, packed, prompts=()):
+    batch = collate(seqs, device, packed, prompts)
+    largest[0] = max(largest[0], batch["ids"].numel())
+    return batch
+
+
+model.collate = measured
+sys.argv[0] = "train_sft.py"
+runpy.run_path("train_sft.py", run_name="__main__")
+out_dir = [arg.partition("=")[2] for arg in sys.argv if arg.startswith("--out_dir=")][0]
+with open(out_dir + "/largest", "w") as f:
+    f.write(str(largest[0]))
+"""
+
+
+def test_padded_micro_batches_keep_to_the_token_budget(tiny, tmp_path):
+    # SDPA's right-padded rows (the CPU, a GPU without flash-attn) cost count x the longest: the bins of
+    # pack (flash-attn's packed rows) put chat conversations of ~220 tokens beside traces of ~85, and a
+    # micro-batch of max_tokens_per_micro = 512 ran 3 x 240 = 720 tokens (measured on configs/sft.py-like
+    # lengths: up to 4x the budget). pack_sorted's bins keep count x longest within it
+    script = tmp_path / "largest_micro_batch.py"
+    script.write_text(LARGEST_MICRO_BATCH)
+    chat = write(tmp_path / "chat.jsonl", chat_conversations(12))
+    out = tmp_path / "sft"
+    p = zygote.run([str(script), "configs/tiny_sft.py", f"--model_path={tiny}/base",
+                    f"--data_mix=[('{tiny}/data/sft.jsonl', 'rstar2', 1.0), ('{chat}', 'chat', 1.0)]",
+                    f"--chat_template={ROOT}/configs/chat_template_qwen.jinja", "--epochs=1",
+                    "--batch_size=16", "--max_tokens_per_micro=512", f"--out_dir={out}"])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert 0 < int((out / "largest").read_text()) <= 512
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one(tiny, mixed, tmp_path):
     # each rank renders half of every batch, then they gather it: same batches, so the same run. The first
