@@ -46,9 +46,9 @@ def has_weights(path):
 
 
 def checkpoints(run_dir):
-    """The complete checkpoints of a run, oldest first."""
-    return sorted(path for path in glob.glob(os.path.join(run_dir, "step_[0-9]*"))
-                  if not path.endswith(".tmp"))
+    """The complete checkpoints of a run, oldest first: the names that end on the step's digits (not a
+    save under way, step_X.tmp, nor a copy a person made beside them, step_X.bak)."""
+    return sorted(glob.glob(os.path.join(run_dir, "step_[0-9]*[0-9]")))
 
 
 def latest_checkpoint(run_dir, weights=False):

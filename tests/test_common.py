@@ -100,6 +100,11 @@ def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
     # a save that died half-way (a process killed in it, a full disk) left a .tmp: it is no checkpoint
     os.makedirs(run / "step_000006.tmp" / "state")
     assert latest_checkpoint(str(run)).endswith("step_000005")
+    # nor is a copy a person made beside them (a backup): --resume took step_000005.bak as the newest,
+    # and the rotation deleted it with the old checkpoints
+    os.makedirs(run / "step_000005.bak" / "state")
+    names = [os.path.basename(p) for p in checkpoints(str(run))]
+    assert names == ["step_000002", "step_000004", "step_000005"]
     # the shards give back the weights and the optimizer exactly, without any HF weights
     back = load_trainable(str(run / "step_000005"), "cpu", torch.float32)
     opt2 = torch.optim.AdamW(back.parameters(), lr=1e-2)
