@@ -93,7 +93,9 @@ class Logger:
         if not self.active:
             return
         path = os.path.join(run_dir, "metrics.jsonl")
-        rows = read_jsonl(path) if resume_step is not None and os.path.exists(path) else []
+        resumed = resume_step is not None and os.path.exists(path)
+        # (a crash while a row was written, the disk full, leaves it cut short: a step past the checkpoint)
+        rows = read_jsonl(path, torn_end=True) if resumed else []
         # the rows kept (write_jsonl makes run_dir), then this run's appended
         write_jsonl(path, [r for r in rows if r["step"] <= resume_step])
         self.file = open(path, "a")
@@ -114,11 +116,12 @@ class Logger:
             self.wandb.log(metrics, step=step)
 
 
-def read_jsonl(path, required=None):
+def read_jsonl(path, required=None, torn_end=False):
     """Rows of a JSONL file (every script's data and metrics). A missing file or a bad line raises
     ValueError 'path:line: what is wrong'. `required`: the columns every row must have and their types, a
     dict (a task's COLUMNS); or a function of the row that gives them (a row that names its task needs that
-    task's columns). A text column must not be blank."""
+    task's columns). A text column must not be blank. torn_end=True: a last line cut short (not JSON, no
+    newline: its writer was stopped mid-row) ends the rows instead (a run's own metrics.jsonl)."""
     rows = []
     try:
         f = open(path, "rb")
@@ -132,6 +135,8 @@ def read_jsonl(path, required=None):
             try:
                 row = json.loads(line)
             except ValueError as e:
+                if torn_end and not line.endswith(b"\n"):
+                    break
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, "

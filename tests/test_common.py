@@ -149,6 +149,17 @@ def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["reward"] for r in rows] == [0.1, 0.2, 0.3, 1.0, 1.0]
     with pytest.raises(ValueError, match="cannot read it"):
         read_jsonl(str(tmp_path / "missing.jsonl"))
+    # a run stopped while it wrote step 6's row (a node crash, the disk full) resumes from step 5's checkpoint:
+    # the cut row goes with the steps past the checkpoint (it stopped the resume with a ValueError)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "rew')
+    Logger(str(tmp_path), resume_step=5).log(6, {"reward": 1.0})
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
+    # a bad line anywhere else is still named, in a run's metrics as in data
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "rew\n{"step": 8}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:7: not valid JSON"):
+        Logger(str(tmp_path), resume_step=6)
     json.dumps(rows)
 
 
