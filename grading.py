@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import os
+import pathlib
 import queue
 import re
 import signal
@@ -352,7 +353,7 @@ def load_task(name):
 
 def _load_file(path):
     # a Python file as a module named after it (tasks/math.py: "math", kept out of sys.modules)
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
