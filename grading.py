@@ -329,7 +329,7 @@ def load_file(name):
     name, _, attribute = name.partition(":")
     if name.endswith(".py"):
         here = os.path.dirname(os.path.abspath(__file__))
-        path = name if os.path.isfile(name) else os.path.join(here, name)
+        path = name if os.path.isfile(name) else f"{here}/{name}"
         if not os.path.isfile(path):
             raise FileNotFoundError(f"file {name!r} not found")
         module = _load_file(path)
