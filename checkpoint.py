@@ -157,7 +157,8 @@ def save_checkpoint(path, model, optimizer, tokenizer, state, hf_dtype=None, kee
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)  # now it is complete
-        for old in checkpoints(os.path.dirname(path))[:-keep] if keep else []:
+        # all but the newest keep (keep 0: [:-0] is empty, all stay)
+        for old in checkpoints(os.path.dirname(path))[:-keep]:
             if not has_weights(old):
                 shutil.rmtree(old)
     barrier()
