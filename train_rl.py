@@ -262,20 +262,26 @@ if kl_coef or kl_ref:
     terms.append(("loss/kl", functools.partial(grpo_roc.kl_penalty, kind=kl_estimator), kl_coef))
 step, cursor = 0, 0
 if start:
-    state = load_trainer_state(start, model, optimizer)
-    step, cursor = state["step"], state["cursor"]
+    step = load_trainer_state(start, model, optimizer)["step"]
     print0(f"resumed from {start} at step {step}")
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
-# model_path's trainer state, when it is a checkpoint of an earlier stage
-prev_state = os.path.join(model_path, "trainer_state.pt")
-if not start and not data_restart and os.path.isfile(prev_state):
-    # a later stage goes on where the previous one stopped instead of replaying its first prompts
+# the data stream a checkpoint's cursor counts prompts of: the prompts of data_path that fit, each epoch in
+# the seed's order. A run goes on with the stream of the checkpoint it resumes, or of model_path when that is
+# a checkpoint of an earlier stage on the same stream (stage 2: not replaying stage 1's first prompts)
+stream = (data_path, len(data), seed)
+prev_state = os.path.join(start or model_path, "trainer_state.pt")
+if (start or not data_restart) and os.path.isfile(prev_state):
     prev = torch.load(prev_state, weights_only=False)
-    if prev.get("data_path") == data_path:
+    if prev.get("stream") == stream:
         cursor = prev["cursor"]
-        print0(f"data stream continued from {model_path} at prompt {cursor}")
+        print0(f"data stream continued from {start or model_path} at prompt {cursor}")
+    elif start:
+        # another stream would train some prompts of this epoch twice and skip others: a new seed, or
+        # new data, is a new stage (model_path and optimizer_from at the checkpoint)
+        raise SystemExit(f"config error: {start} was saved by a run with (data_path, prompts that fit, "
+                         f"seed) = {prev.get('stream')}, this has {stream}: resume with the run's")
 
 
 @torch.no_grad()
@@ -608,7 +614,7 @@ while step < steps:
         # the Hugging Face copy beside the shards: at the last step and every save_hf_every-th save
         with_hf = step == steps or (save_hf_every and step // save_every % save_hf_every == 0)
         save_checkpoint(checkpoint_dir(run_dir, step), model, optimizer, tokenizer,
-                        {"step": step, "cursor": cursor, "data_path": data_path},
+                        {"step": step, "cursor": cursor, "stream": stream},
                         hf_dtype=ptdtype if with_hf else None, keep=keep_checkpoints)
 
 sandbox.close()

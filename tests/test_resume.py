@@ -75,6 +75,8 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
         "data": ([f"--data_path={tmp_path}/missing.jsonl"], None, "data error: "),
         # a setting the engine refuses, checked after the checkpoint has loaded
         "engine": (["--kv_reserve=2.0"], None, "config error: reserve (train_rl's kv_reserve)"),
+        # another seed: the cursor would count prompts in another order, training some of this epoch's twice
+        "seed": (["--seed=1"], None, "(data_path, prompts that fit, seed) = "),
     }
     for name, (extra, env, says) in refusals.items():
         out = train_rl(made, run_dir, "--steps=4", "--resume=true", *extra, env=env)
