@@ -194,11 +194,19 @@ rank, world, device = compute_init(seed, dist_timeout_s)
 # model.Qwen.forward's gathers (the shared prompts' keys and values) adds with atomics, in the order the threads
 # come. warn_only: where torch has none (cuBLAS without CUBLAS_WORKSPACE_CONFIG=:4096:8) it warns, not stops
 torch.use_deterministic_algorithms(deterministic, warn_only=True)
-model_path = resolve_model(model_path)
+# every check that can refuse the run (config, data, the checkpoint to resume, the sandbox, the engine's settings)
+# comes before anything in run_dir changes: a refused resume leaves metrics.jsonl and rollouts/ as they were
+# the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
+# stops here
+start = resume_point(run_dir, resume)
+# what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which holds them all
+# (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs it only as the KL's
+# reference), else model_path
+init_path = start or resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 packed = use_flash(device, ptdtype)
-tokenizer = AutoTokenizer.from_pretrained(model_path)
+tokenizer = AutoTokenizer.from_pretrained(init_path)
 problems = grading.read_problems(data_path, task_module)
 prompt_ids = grading.tokenize_prompts(problems, task_module, tokenizer)
 # each problem's task by name (tasks/math.py: "math"), and every tool the tasks offer (the metrics count calls
@@ -226,11 +234,6 @@ def prompt_at(c):
     """The c-th prompt of the data stream."""
     return data[prompt_order(c // len(data))[c % len(data)]]
 
-# every check that can refuse the run (config, data, the checkpoint to resume, the sandbox, the engine's settings)
-# comes before anything in run_dir changes: a refused resume leaves metrics.jsonl and rollouts/ as they were
-# the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
-# stops here
-start = resume_point(run_dir, resume)
 # the tool's sandbox pool, started (or refused) before the model loads, and asked one call to see it answers
 try:
     sandbox = SandboxPool(workers=tool_workers or None, timeout=tool_timeout, memory=tool_memory,
@@ -245,7 +248,6 @@ if probe.stdout.strip() != "42":
 # the policy: FSDP2 training shards (fp32 master weights: model) + one unsharded inference copy per rank
 # (rollout_model, the engine's), built empty: sync_rollout_model fills it before the first rollout (reading
 # the checkpoint once, not twice)
-init_path = start or model_path
 model = load_trainable(init_path, device, ptdtype, activation_checkpointing, compile_update)
 rollout_model = load_model(init_path, device="meta",
                            dtype=getattr(torch, rollout_dtype or dtype)).to_empty(device=device)
@@ -271,12 +273,12 @@ elif optimizer_from:
 # the seed's order. A run goes on with the stream of the checkpoint it resumes, or of model_path when that is
 # a checkpoint of an earlier stage on the same stream (stage 2: not replaying stage 1's first prompts)
 stream = (data_path, len(data), seed)
-prev_state = os.path.join(start or model_path, "trainer_state.pt")
+prev_state = os.path.join(init_path, "trainer_state.pt")
 if (start or not data_restart) and os.path.isfile(prev_state):
     prev = torch.load(prev_state, weights_only=False)
     if prev.get("stream") == stream:
         cursor = prev["cursor"]
-        print0(f"data stream continued from {start or model_path} at prompt {cursor}")
+        print0(f"data stream continued from {init_path} at prompt {cursor}")
     elif start:
         # another stream would train some prompts of this epoch twice and skip others: a new seed, or
         # new data, is a new stage (model_path and optimizer_from at the checkpoint)

@@ -83,8 +83,9 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
         assert state(run_dir) == before, name
         assert out.returncode != 0 and says in out.stderr, (name, out.stdout[-1000:], out.stderr[-2000:])
         assert "Traceback" not in out.stderr, (name, out.stderr[-2000:])
-    # the same resume that may run: the rows and dumps after step 2 go, those up to it stay
-    out = train_rl(made, run_dir, "--steps=2", "--resume=true")
+    # the same resume that may run: the rows and dumps after step 2 go, those up to it stay. It reads its
+    # checkpoint alone: model_path, where the run started (an earlier stage's checkpoint), may be gone
+    out = train_rl(made, run_dir, "--steps=2", "--resume=true", f"--model_path={made}/deleted")
     assert out.returncode == 0 and f"resumed from {run_dir}/step_000002 at step 2" in out.stdout, out.stderr[-2000:]
     metrics, dumps = state(run_dir)
     assert [line.split(b",")[0] for line in metrics.splitlines()] == [b'{"step": 1', b'{"step": 2']
