@@ -67,7 +67,8 @@ task = "tasks/math.py"
 #                         (a data row with a "task" column is that task's: one run mixes tasks, metrics per task)
 run_dir = "out/tiny-rl"  # checkpoints (step_*/), metrics.jsonl and rollouts/ go here
 resume = False  # continue from the latest checkpoint in run_dir
-# False: continue the data stream of the checkpoint model_path is (stage 2), same data only
+# False: continue the data stream of the checkpoint model_path is (stage 2), where it is the
+# same stream (data_path, prompts that fit, seed)
 data_restart = False
 # checkpoint whose optimizer state to continue (stage 2); "" = fresh (stage 3 resets)
 optimizer_from = ""
@@ -199,9 +200,9 @@ torch.use_deterministic_algorithms(deterministic, warn_only=True)
 # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
 # stops here
 start = resume_point(run_dir, resume)
-# what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which holds them all
-# (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs it only as the KL's
-# reference), else model_path
+# what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which
+# holds them all (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs
+# it only as the KL's reference), else model_path
 init_path = start or resolve_model(model_path)
 ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA
@@ -269,9 +270,10 @@ if start:
 elif optimizer_from:
     load_trainer_state(optimizer_from, model, optimizer)
     print0(f"optimizer state continued from {optimizer_from}")
-# the data stream a checkpoint's cursor counts prompts of: the prompts of data_path that fit, each epoch in
-# the seed's order. A run goes on with the stream of the checkpoint it resumes, or of model_path when that is
-# a checkpoint of an earlier stage on the same stream (stage 2: not replaying stage 1's first prompts)
+# the data stream a checkpoint's cursor counts prompts of: the prompts of data_path that fit, each
+# epoch in the seed's order. A run goes on with the stream of the checkpoint it resumes, or of
+# model_path when that is a checkpoint of an earlier stage on the same stream (stage 2: not
+# replaying stage 1's first prompts)
 stream = (data_path, len(data), seed)
 prev_state = os.path.join(init_path, "trainer_state.pt")
 if (start or not data_restart) and os.path.isfile(prev_state):
@@ -280,10 +282,11 @@ if (start or not data_restart) and os.path.isfile(prev_state):
         cursor = prev["cursor"]
         print0(f"data stream continued from {init_path} at prompt {cursor}")
     elif start:
-        # another stream would train some prompts of this epoch twice and skip others: a new seed, or
-        # new data, is a new stage (model_path and optimizer_from at the checkpoint)
-        raise SystemExit(f"config error: {start} was saved by a run with (data_path, prompts that fit, "
-                         f"seed) = {prev.get('stream')}, this has {stream}: resume with the run's")
+        # another stream would train some prompts of this epoch twice and skip others: a new
+        # seed, or new data, is a new stage (model_path and optimizer_from at the checkpoint)
+        raise SystemExit(f"config error: {start} was saved by a run with (data_path, prompts "
+                         f"that fit, seed) = {prev.get('stream')}, this has {stream}: "
+                         "resume with the run's")
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 # stage 3: the hard subset — problems the step-385 policy does not solve 8/8 (17.3K of 42K in the
-# paper), 12K budget, 15 turns, 125 steps, optimizer state reset. Make the subset first, in an out_dir of its
-# own (eval_aime.py's out/eval_aime24 holds the AIME eval's summary, which it would overwrite) and without
-# the 336K trajectories' dump:
+# paper), 12K budget, 15 turns, 125 steps, optimizer state reset. Make the subset first, in an
+# out_dir of its own (eval_aime.py's out/eval_aime24 holds the AIME eval's summary, which it would
+# overwrite) and without the 336K trajectories' dump:
 #   torchrun --nproc_per_node 8 eval.py configs/eval_aime.py --model_path=out/stage2/step_000085 \
 #       --data_path=data/rl_42k.jsonl --samples=8 --temperature=1.0 --max_turns=10 \
 #       --max_response_tokens=12288 --keep_unsolved=data/rl_hard.jsonl \

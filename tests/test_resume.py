@@ -75,7 +75,8 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
         "data": ([f"--data_path={tmp_path}/missing.jsonl"], None, "data error: "),
         # a setting the engine refuses, checked after the checkpoint has loaded
         "engine": (["--kv_reserve=2.0"], None, "config error: reserve (train_rl's kv_reserve)"),
-        # another seed: the cursor would count prompts in another order, training some of this epoch's twice
+        # another seed: the cursor would count prompts in another order, some of this epoch's
+        # trained twice
         "seed": (["--seed=1"], None, "(data_path, prompts that fit, seed) = "),
     }
     for name, (extra, env, says) in refusals.items():
@@ -83,8 +84,9 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(made, tmp_path):
         assert state(run_dir) == before, name
         assert out.returncode != 0 and says in out.stderr, (name, out.stdout[-1000:], out.stderr[-2000:])
         assert "Traceback" not in out.stderr, (name, out.stderr[-2000:])
-    # the same resume that may run: the rows and dumps after step 2 go, those up to it stay. It reads its
-    # checkpoint alone: model_path, where the run started (an earlier stage's checkpoint), may be gone
+    # the same resume that may run: the rows and dumps after step 2 go, those up to it stay. It
+    # reads its checkpoint alone: model_path, where the run started (an earlier stage's
+    # checkpoint), may be gone
     out = train_rl(made, run_dir, "--steps=2", "--resume=true", f"--model_path={made}/deleted")
     assert out.returncode == 0 and f"resumed from {run_dir}/step_000002 at step 2" in out.stdout, out.stderr[-2000:]
     metrics, dumps = state(run_dir)
