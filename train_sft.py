@@ -279,6 +279,9 @@ if __name__ == "__main__":
     # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left
     # checkpoints stops here
     start = resume_point(out_dir, resume)
+    # out_dir is this run's alone from here while it lives: a second run stops here, before it loads a
+    # model for minutes (and reads a checkpoint the first one's rotation may delete meanwhile)
+    run_lock = lock_run(out_dir) if rank == 0 else None
     model = load_trainable(start or model_path, device, ptdtype, activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     step = 0
@@ -295,8 +298,6 @@ if __name__ == "__main__":
     steps_per_epoch = math.ceil(epoch_len / batch_size)
     total = epochs * steps_per_epoch
     warmup = max(1, round(warmup_ratio * total))
-    # out_dir changes from here on: this run's alone while it lives (a second one stops here)
-    run_lock = lock_run(out_dir) if rank == 0 else None
     logger = Logger(out_dir, wandb_project, cfg, rank, resume_step=step if start else None)
     print0(f"sft: {epochs} epochs × {steps_per_epoch} steps of {batch_size} conversations "
            f"({epoch_len} per epoch), {world} rank(s)")
