@@ -631,7 +631,11 @@ if __name__ == "__main__":
         from grading import load_task
         name = args.command.removesuffix("-set")
         task_file = {"grid": "tasks/gridworld.py", "guess": "tasks/guess.py"}[name]
-        rows = load_task(task_file).problems(args.n_train + args.n_heldout, args.seed)
+        # a task with fewer distinct rows than asked (the grid's ~21K layouts) says so, in a line
+        try:
+            rows = load_task(task_file).problems(args.n_train + args.n_heldout, args.seed)
+        except ValueError as error:
+            parser.error(f"--n_train + --n_heldout: {error}")
         write_jsonl(os.path.join(data_dir, f"{name}_train.jsonl"), rows[:args.n_train])
         write_jsonl(os.path.join(data_dir, f"{name}_heldout.jsonl"), rows[args.n_train:])
         print(f"{data_dir}: {name}_train {args.n_train}, {name}_heldout {args.n_heldout}")

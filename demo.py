@@ -67,11 +67,13 @@ def value(key, default):
 
 # the seed study's size, checked before any stage runs (--seeds=-2 trained the SFT model, then failed in
 # the study)
-seeds_text = value("--seeds", "0")
+seeds_text, seed_text = value("--seeds", "0"), value("--seed", "0")
 if not seeds_text.isdecimal():
     sys.exit(f"demo.py: --seeds takes a whole number of RL seeds (0: no seed study), "
              f"got {seeds_text!r}")
-seed, n_seeds = int(value("--seed", 0)), int(seeds_text)
+if not seed_text.isdecimal():
+    sys.exit(f"demo.py: --seed takes a whole number (the data, SFT and RL seed), got {seed_text!r}")
+seed, n_seeds = int(seed_text), int(seeds_text)
 # the seed study trains its own two arms (GRPO-RoC and plain GRPO) for every seed; --compare and
 # --mismatch add arms to the one-seed run, which the study does not make: a flag it would ignore is
 # refused, not dropped silently

@@ -84,4 +84,8 @@ def test_the_seed_study_refuses_what_it_cannot_run(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", f"--seeds={count}"])
         with pytest.raises(SystemExit, match=f"--seeds takes a whole number of RL seeds .* '{count}'"):
             runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
+    # and so is a seed that is no whole number (int() raised a traceback)
+    monkeypatch.setattr(sys, "argv", ["demo.py", f"--out={tmp_path}", "--seed=abc"])
+    with pytest.raises(SystemExit, match="--seed takes a whole number .* 'abc'"):
+        runpy.run_path(os.path.join(ROOT, "demo.py"), run_name="__main__")
     assert os.listdir(tmp_path) == []  # refused before any stage ran

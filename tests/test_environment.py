@@ -254,6 +254,15 @@ def test_a_grid_row_that_cannot_be_walked_is_refused(change, words):
             make(row)
 
 
+def test_more_grid_rows_than_layouts_is_a_line_not_a_traceback(tmp_path):
+    # a 4 x 4 grid with 2 walls has ~21K layouts: data.py grid-set asked for more raised problems()'s
+    # ValueError as a traceback; now it is a usage error that names the options, and writes nothing
+    p = zygote.run(("data.py", "grid-set", f"--data_dir={tmp_path}", "--n_train=30000"), timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--n_train + --n_heldout: a 4 x 4 grid with 2 walls has only 21736 layouts" in p.stderr
+    assert "Traceback" not in p.stderr and os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------- the worked example, end to end
 
 def script(*args):
