@@ -149,8 +149,9 @@ def verify(gold, pred):
 
     def box(text):
         return parse("\\boxed{" + text + "}", parsing_timeout=None)
-    parsed = [box(gold), box(pred)]  # each a list: [] when math-verify finds nothing to parse
-    if not (all(parsed) and math_verify(*parsed, timeout_seconds=None)):
+    # math-verify's verdict first: False too when it finds nothing to parse in one of them
+    # (parse's [])
+    if not math_verify(box(gold), box(pred), timeout_seconds=None):
         return False
     # its sides: the pieces between its relations that close as many brackets as they open. The others hold
     # part of a group around a relation, a subscript or an argument (\lim_{x \to 0} f(x) = 1, P(X = 2) =
