@@ -252,7 +252,7 @@ class Grader:
         # the calling thread's helper, started if need be; None if it cannot be had
         me = threading.get_ident()
         proc = self.procs.get(me)
-        if proc is not None and proc.poll() is None:
+        if proc and proc.poll() is None:
             return proc
         self._stop(me)
         if time.monotonic() < self.down_until:  # a start failed lately: fail fast
@@ -276,7 +276,7 @@ class Grader:
 
     def _stop(self, ident):
         proc = self.procs.pop(ident, None)
-        if proc is not None:
+        if proc:
             proc.kill()
             proc.wait()
 
