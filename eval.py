@@ -46,6 +46,9 @@ Metrics (summary.json, summary.md, printed):
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
 trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
 order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
+Each file is whole or absent (written aside, then renamed), and no summary stands beside another
+run's files: an earlier run's summaries and dump are removed before this run's files are written,
+and summary.json, the last one, marks a finished eval (a run stopped before it leaves no summary).
 --keep_unsolved=FILE writes the problems whose pass rate is < 1 (the paper's stage-3 filter: 8 samples,
 drop what the policy always solves). --keep_solved=FILE writes those that at least --keep_min_correct of the k
 samples got right (the paper's label check, §4.2: Qwen3-32B, 16 samples, at least 2 match the label): one
@@ -360,7 +363,8 @@ if __name__ == "__main__":
            f"| model {model_path} | T {temperature} top-p {top_p} | budget {max_response_tokens} "
            f"| turns {max_turns} | {world} rank(s) × {rows} rows")
     os.makedirs(out_dir, exist_ok=True)
-    dump = open(f"{out_dir}/trajectories.jsonl.{rank}", "w") if save_trajectories else None
+    # each rank's part of the dump, joined into trajectories.jsonl at the end
+    dump = open(f"{out_dir}/trajectories.jsonl.tmp.{rank}", "w") if save_trajectories else None
 
     # train_rl.py's dump record, written by the rank that made the trajectory
     def write(trajectory, summary):
@@ -428,20 +432,19 @@ if __name__ == "__main__":
                 f"{row['tool_calls']} ({row['tool_errors']}) | {row['truncated']} |"
                 for row in per_problem]
         print("\n".join(table[4:]))
-        with open(f"{out_dir}/summary.md", "w") as f:
-            f.write("\n".join(table + per) + "\n")
-        with open(f"{out_dir}/summary.json", "w") as f:
-            json.dump(summary, f, indent=2)
-        write_jsonl(f"{out_dir}/per_problem.jsonl", per_problem)
-        # the ranks' parts, one after the other: sort by (group, sample) to read in order
-        if save_trajectories:
-            join_parts(f"{out_dir}/trajectories.jsonl", world)
-        else:
-            # an earlier run's dump would read as this run's (view.py shows it beside this summary)
+        # an earlier run's summaries and dump go first (its dump would read as this run's, view.py
+        # shows it beside this summary), and this run's summaries are written last: a run stopped
+        # before its end leaves no summary beside files of two runs (demo.py takes summary.json for
+        # a finished eval)
+        for name in ("summary.json", "summary.md", "trajectories.jsonl"):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(f"{out_dir}/trajectories.jsonl")
-        print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl"
-              + (", trajectories.jsonl" if save_trajectories else ""))
+                os.remove(f"{out_dir}/{name}")
+        # the ranks' parts, one after the other, renamed once whole: sort by (group, sample) to
+        # read in order
+        if save_trajectories:
+            join_parts(f"{out_dir}/trajectories.jsonl.tmp", world)
+            os.replace(f"{out_dir}/trajectories.jsonl.tmp", f"{out_dir}/trajectories.jsonl")
+        write_jsonl(f"{out_dir}/per_problem.jsonl", per_problem)
         # the two keep rules: which rows, from how many right samples to how many, the rule in words
         for path, fewest, most, rule in [(keep_unsolved, 0, k - 1, "pass rate < 1"),
                                          (keep_solved, keep_min_correct, k,
@@ -452,4 +455,12 @@ if __name__ == "__main__":
                 kept = keep_by_correct(problems, per_problem, fewest, most)
                 write_jsonl(path, kept)
                 print(f"kept {len(kept)} of {len(problems)} problems ({rule}) in {path}")
+        # each summary whole or absent: written aside, then renamed; summary.json the last file
+        for name, text in [("summary.md", "\n".join(table + per) + "\n"),
+                           ("summary.json", json.dumps(summary, indent=2))]:
+            with open(f"{out_dir}/{name}.tmp", "w") as f:
+                f.write(text)
+            os.replace(f"{out_dir}/{name}.tmp", f"{out_dir}/{name}")
+        print(f"wrote {out_dir}/summary.md, summary.json, per_problem.jsonl and "
+              "trajectories.jsonl (unless --save_trajectories=false)")
     compute_cleanup()

@@ -5,6 +5,7 @@ same numbers; two ranks: the same numbers again)."""
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 
@@ -229,8 +230,13 @@ def outputs(out_dir):
     summary.pop("wall_s"), summary.pop("peak_rss_mib")
     for key in ("out_dir", "keep_unsolved", "keep_solved", "keep_min_correct", "decode_mode"):
         summary["config"].pop(key)
+    return summary, outputs_dump(out_dir)
+
+
+def outputs_dump(out_dir):
     # the ranks write their trajectories as they finish: in (group, sample) order, read after a sort
-    return summary, sorted(read_out(out_dir / "trajectories.jsonl"), key=lambda t: (t["group"], t["sample"]))
+    return sorted(read_out(out_dir / "trajectories.jsonl"),
+                  key=lambda t: (t["group"], t["sample"]))
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +295,43 @@ def test_script_under_torchrun_matches_one_process(tiny, first_run, tmp_path):
     p = run_eval(tiny, tmp_path / "d", ranks=2)
     assert "2 rank(s)" in p.stdout
     assert outputs(tmp_path / "d") == outputs(first_run[0])
+
+
+# eval.py run as a script that is stopped (Ctrl-C) as it writes per_problem.jsonl
+STOPPED_EVAL = '''import runpy, sys
+import common
+
+
+def stopped(path, rows):
+    raise KeyboardInterrupt
+
+
+common.write_jsonl = stopped
+sys.argv[0] = "eval.py"
+runpy.run_path("eval.py", run_name="__main__")
+'''
+
+
+def test_a_run_stopped_while_it_writes_leaves_no_summary_of_two_runs(tiny, first_run, tmp_path):
+    # out_dir holds an earlier run's outputs (2 samples a problem); a run of 1 sample a problem is
+    # stopped as it writes its own: it once left its summary.json and summary.md beside the earlier
+    # run's per_problem.jsonl (and demo.py takes summary.json for a finished eval)
+    out = tmp_path / "out"
+    shutil.copytree(first_run[0], out)
+    script = tmp_path / "stopped_eval.py"
+    script.write_text(STOPPED_EVAL)
+    p = zygote.run([str(script), "configs/tiny_eval.py", f"--model_path={tiny / 'base'}",
+                    f"--data_path={tiny / 'data' / 'heldout.jsonl'}", "--samples=1",
+                    "--max_response_tokens=48", "--tool_workers=1", f"--out_dir={out}"])
+    assert p.returncode != 0 and "KeyboardInterrupt" in p.stderr
+    # no summary is left: the stopped run's are written last, and the earlier run's went first
+    assert not (out / "summary.json").exists() and not (out / "summary.md").exists()
+    # the files left are whole: the earlier run's rows, the stopped run's dump (renamed once
+    # joined)
+    assert [row["samples"] for row in read_out(out / "per_problem.jsonl")] == [2, 2, 2]
+    assert [(t["group"], t["sample"]) for t in outputs_dump(out)] == [(0, 0), (1, 0), (2, 0)]
+    assert sorted(path.name for path in out.iterdir() if "trajectories" in path.name) == [
+        "trajectories.jsonl"]
 
 
 # eval.py run as a script, each rank's engine counting the trajectories it generates into
