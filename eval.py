@@ -225,7 +225,11 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     bar.close()
     let_go(final=grader.results())  # every grade within its bound (a stuck one scores 0)
     summaries = gather_summaries(mine)
-    groups = [summaries[i * samples:(i + 1) * samples] for i in range(len(problems))]
+    # each problem's summaries, in sample order (a sample lost or repeated: metrics() names the
+    # counts)
+    groups = [[] for _ in problems]
+    for graded in summaries:
+        groups[graded.problem].append(graded)
     summary, per_problem = metrics(groups)
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
     names = [grading.row_task(problem, task).__name__ for problem in problems]

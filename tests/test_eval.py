@@ -122,6 +122,25 @@ def test_a_sample_cut_by_the_budget_does_not_vote(monkeypatch):
     assert summary["avg@k"] == 0.75 and summary["maj@k"] == 1.0
 
 
+def test_a_lost_and_a_repeated_sample_do_not_move_samples_between_problems(monkeypatch):
+    # two problems (the same row twice: duplicates in the data are two problems), 2 samples
+    # each; the engine finishes problem 0's sample 0 twice and never problem 1's sample 1. The
+    # summaries were cut into groups of k by position: problem 0's sample 1 was counted as
+    # problem 1's, and the numbers came out without a word
+    import types
+
+    def fake_generate(engine, requests, budget, mode, on_finish, counter, keep):
+        for j in [0, 0, 1, 2]:
+            on_finish(Trajectory(key=requests[j].key, prompt_ids=[1], response_ids=[1], mask=[1],
+                                 finish="stop", turns=1, meta=requests[j].meta))
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    tok = types.SimpleNamespace(decode=lambda ids: "<answer>\\boxed{5}</answer>")
+    row = {"question": "q", "answer": "5"}
+    with pytest.raises(ValueError, match=r"got \[3, 1\]"):
+        ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [row, row], 2, 10,
+                    prompt_ids=[[1], [1]], task=math_task)
+
+
 # ----------------------------------------------------------------------------- metrics on crafted trajectories
 
 def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
