@@ -205,10 +205,10 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
             # a grade still running waits for a later call
             if final is not None or future.done():
                 # what is kept of it: its summary, with the grade's result
-                mine.append(summarize(trajectory, future.result() if future.done()
+                mine.append(summarize(trajectory, future.result() if final is None
                                       else final[trajectory.key]))
                 # handed over before it is let go (e.g. written down)
-                if on_graded is not None:
+                if on_graded:
                     on_graded(trajectory, mine[-1])
                 # let go: no longer waiting
                 waiting.remove((trajectory, future))

@@ -141,6 +141,44 @@ def test_a_lost_and_a_repeated_sample_do_not_move_samples_between_problems(monke
                     prompt_ids=[[1], [1]], task=math_task)
 
 
+def test_a_grade_given_up_on_scores_0_even_if_it_ends_just_after(monkeypatch):
+    # results() gives up on a grade past its bound and scores it 0 (counted timed_out); the grade
+    # ending between that and let_go() once took its late 1 instead: the numbers hung on a race
+    import concurrent.futures
+    import threading
+    import types
+    started, release = threading.Event(), threading.Event()
+
+    def slow_grade(row, pred, turns, grader, trajectory):
+        started.set()
+        release.wait()
+        return 1.0, True
+    task = types.SimpleNamespace(__name__="slow", COLUMNS={"question": str}, TOOLS={},
+                                 prompt=lambda row: row["question"], predict=lambda turns: "x",
+                                 grade=slow_grade)
+
+    def fake_generate(engine, requests, budget, mode, on_finish, counter, keep):
+        on_finish(Trajectory(key=requests[0].key, prompt_ids=[1], response_ids=[1], mask=[1],
+                             finish="stop", turns=1, meta=requests[0].meta))
+    real_results = grading.Grader.results
+
+    def results_past_the_bound(self):
+        # the grade is running, and past its bound: results() gives up on it; then it ends
+        started.wait()
+        self.deadline = dict.fromkeys(self.deadline, 0.0)
+        running = list(self.pending.values())
+        out = real_results(self)
+        release.set()
+        concurrent.futures.wait(running)
+        return out
+    monkeypatch.setattr(ev, "generate", fake_generate)
+    monkeypatch.setattr(grading.Grader, "results", results_past_the_bound)
+    tok = types.SimpleNamespace(decode=lambda ids: "x")
+    summary, per = ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [{"question": "q"}], 1,
+                               10, prompt_ids=[[1]], task=task)
+    assert summary["avg@k"] == 0.0 and per[0]["correct"] == 0
+
+
 # ----------------------------------------------------------------------------- metrics on crafted trajectories
 
 def traj(problem, sample, gold, answer, length, model_tokens, statuses=(), turns=1, finish="stop"):
