@@ -234,9 +234,9 @@ class Pager:
         return self.cache.free_pages() - promised
 
     def admit(self, waiting, rows):
-        """Waiting rows, oldest first, enter the KV while the headroom covers their promise (or nothing
-        else is in the KV). Returns their prefills: one per distinct new prompt, whose pages the other
-        samples of that prompt then share."""
+        """Waiting rows, in the order given (the engine's: oldest first), enter the KV while the
+        headroom covers their promise (or nothing else is in the KV). Returns their prefills: one
+        per distinct new prompt, whose pages the other samples of that prompt then share."""
         running = any(self.cache.holds(row.slot) for row in rows.values())
         if not waiting or (self.hold and running):
             return []
@@ -244,7 +244,7 @@ class Pager:
         room = self.headroom(rows)
         share = self.share(rows)
         todo = []
-        for row in sorted(waiting, key=lambda row: row.seq):
+        for row in waiting:
             # another sample of the prompt just admitted (both with no response yet): it shares that prefill and
             # needs only its growth
             twin = (not row.traj.response_ids and todo
@@ -422,7 +422,8 @@ class Engine:
                 for row in parked:
                     if now >= row.deadline or all(future.done() for future in row.waits()):
                         todo += self.resume(row)
-                # 3. waiting rows enter the KV in admission order, while their promise fits
+                # 3. waiting rows enter the KV in admission order, while their promise fits: `rows`,
+                # a dict, keeps the order its rows were claimed in (claimed() adds, step 6 deletes)
                 waiting = [row for row in rows.values() if row.state == WAITING]
                 todo += self.pager.admit(waiting, rows)
                 # 4. the prompts, tool responses and recomputed contexts of this step go through the model
