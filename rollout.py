@@ -545,7 +545,12 @@ class Engine:
             # top-p: keep the smallest set of tokens whose mass reaches top_p
             if self.top_p < 1.0:
                 sorted_probs, sorted_ids = probs.sort(-1, descending=True)
-                sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p] = 0
+                # out: the tokens after those whose mass already reaches top_p; never the most
+                # likely one (at top_p = 0 every token was out, and the draw took the
+                # vocabulary's last, whatever its probability)
+                out = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+                out[:, 0] = False
+                sorted_probs[out] = 0
                 # back in vocabulary order (sorted_ids is a permutation: every entry is written)
                 probs = probs.scatter(1, sorted_ids, sorted_probs)
             # inverse-CDF sampling: one uniform draw per row (B,), from the row's own generator (on the CPU)

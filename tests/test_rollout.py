@@ -272,6 +272,20 @@ def test_a_draw_of_zero_never_takes_a_token_of_probability_zero(monkeypatch):
         assert tokens == [1 if top_p == 1.0 else 2] * 2 and all(lp > -30 for lp in logprobs), (top_p, tokens)
 
 
+def test_a_top_p_at_most_the_most_likely_tokens_probability_samples_that_token():
+    # the nucleus is the smallest set of tokens whose mass reaches top_p: the most likely token
+    # alone when top_p is at most its probability (here 0.67). top_p = 0 cut every token, and the
+    # draw then took the vocabulary's last token, here impossible (logit -inf, log-prob -inf)
+    logits = torch.tensor([0.0, 2.0, 1.0, float("-inf")])
+    for top_p in (0.5, 1e-9, 0.0):
+        engine = types.SimpleNamespace(top_p=top_p, device="cpu")
+        rows = [types.SimpleNamespace(logits=logits, gen=torch.Generator().manual_seed(seed))
+                for seed in range(8)]
+        tokens, logprobs = Engine.sample(engine, rows, 1.0)
+        assert tokens == [1] * 8, (top_p, tokens)
+        assert logprobs == pytest.approx([torch.log_softmax(logits, -1)[1].item()] * 8)
+
+
 class ForcedTurns(torch.nn.Module):
     """The tiny model with forced turn boundaries, decided from each row's whole context, so a row that
     is prefilled again after preemption is forced exactly as before. Turn j (counted by <|im_start|>
