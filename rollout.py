@@ -97,12 +97,11 @@ class Row:
     decode:  in the KV, sampling and decoding
     parked:  on its tool calls (`calls`) or its environment's reply, in the KV unless preempted meanwhile"""
 
-    def __init__(self, req, slot, gen, budget, seq):
+    def __init__(self, req, slot, gen, budget):
         self.req = req
         self.slot = slot
         self.gen = gen
         self.budget = budget
-        self.seq = seq
         self.traj = Trajectory(key=req.key, prompt_ids=list(req.prompt_ids), meta=req.meta)
         self.state = WAITING
         self.turn_start = 0  # index in response_ids where the current assistant turn began
@@ -176,8 +175,6 @@ class Pager:
         assert self.num_rows >= 1, f"kv_capacity {kv_capacity} holds no row of max_len {max_len}"
         self.cache = KVCache(model.cfg, self.num_rows, max_len, param.device, param.dtype,
                              page_size, num_pages)
-        # admission order: who is preempted first (the newest), who is re-admitted first (the oldest)
-        self.seq = itertools.count()
 
     def start(self, budget):
         """A run begins: every page free, no hold, and the claim size for this budget."""
@@ -287,7 +284,9 @@ class Pager:
         most recently admitted (the oldest rows keep going, so every row finishes)."""
         # rows in `work` not yet in the KV can be sent back to wait: that frees nothing but their claim
         held = [row for row in rows.values() if self.cache.holds(row.slot) or row in work]
-        return max(held, key=lambda row: (row.state == PARKED, row.seq))
+        # `rows` is in claim order (Engine.run): reversed, the newest come first, and max takes
+        # the first of its highest
+        return max(reversed(held), key=lambda row: row.state == PARKED)
 
     def preempt(self, row):
         """Drop a row's KV; it keeps its trajectory and generator, and waits to be prefilled again."""
@@ -388,7 +387,8 @@ class Engine:
         # plain completions sample greedily, and no sandbox means no turn is parsed for tool calls (end_turn)
         temperature = 0 if plain else self.temperature
         sandbox = None if plain else self.sandbox
-        # the rows claimed and not finished, by KV slot
+        # the rows claimed and not finished, by KV slot, in the order they were claimed (a dict
+        # keeps its insertion order): the Pager admits the oldest first, preempts the newest first
         rows = {}
         # the free slots, taken from the end: slot 0 first
         free = list(range(self.num_rows))[::-1]
@@ -422,8 +422,7 @@ class Engine:
                 for row in parked:
                     if now >= row.deadline or all(future.done() for future in row.waits()):
                         todo += self.resume(row)
-                # 3. waiting rows enter the KV in admission order, while their promise fits: `rows`,
-                # a dict, keeps the order its rows were claimed in (claimed() adds, step 6 deletes)
+                # 3. waiting rows enter the KV, oldest claimed first, while their promise fits
                 waiting = [row for row in rows.values() if row.state == WAITING]
                 todo += self.pager.admit(waiting, rows)
                 # 4. the prompts, tool responses and recomputed contexts of this step go through the model
@@ -480,8 +479,7 @@ class Engine:
             # and a decode step on a GPU launches no kernel per row for its draws (sample)
             digest = hashlib.sha256(repr((self.seed, *request.key)).encode()).digest()
             generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-            row = Row(request, free.pop(), generator, min(budget, self.max_len - prompt_len),
-                      seq=next(self.pager.seq))
+            row = Row(request, free.pop(), generator, min(budget, self.max_len - prompt_len))
             rows[row.slot] = row
             # the trajectory's own environment, made once: preemption and re-admission keep the Row, so this
             # object and no other sees this trajectory's calls
