@@ -595,7 +595,8 @@ class Engine:
             traj.finish = "length"
 
     def end_turn(self, row, sandbox):
-        """Parse the finished turn: no tool call ends the trajectory (so does the turn limit), unless
+        """Parse the finished turn: no tool call ends the trajectory (so do the turn limit and a
+        budget spent on the turn's last token), unless
         the trajectory's environment answers the turn (respond(text): the next user turn's text, None:
         the end, or a Future of either when it takes time: like a tool's run(), respond() is called on the
         decode loop and must not wait); else the row is parked on its calls, which go to the sandbox pool
@@ -615,6 +616,10 @@ class Engine:
             traj.finish = "stop"
         elif traj.turns >= self.max_turns:
             traj.finish = "max_turns"
+        # the turn ends on the budget's last token: nothing could follow its calls' answers, and the
+        # release stops here, before it parses the turn, so they never start
+        elif len(traj.response_ids) >= row.budget:
+            traj.finish = "length"
         else:
             # park the row (its KV stays) and dispatch each call to its tool by name; the tools answer on their
             # own threads. A malformed call is answered with the error text, never dropped: no future. Each call

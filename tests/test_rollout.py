@@ -155,14 +155,20 @@ def test_budget_counts_tool_tokens_and_max_turns(tiny):
     p = data.render_prompt(tok, QUESTIONS[0])
     script = scripted(tok, 11, 0)
     turn1 = script.index(tok.convert_tokens_to_ids("<|im_end|>")) + 1
-    # the last case: the tool response does not fit, so the row finishes while being resumed
+    # the last two cases: the tool response does not fit, so the row finishes while being resumed
+    # (its call ran, as in the release); the call ends the turn at the budget's last token, so the
+    # row ends there (the release stops on a spent budget before it parses the turn: no call runs)
     for budget, max_turns, want in ((len(script) + 80, 10, "stop"), (len(script) - 3, 10, "length"),
-                                    (len(script) + 80, 1, "max_turns"), (turn1 + 3, 10, "length")):
+                                    (len(script) + 80, 1, "max_turns"), (turn1 + 3, 10, "length"),
+                                    (turn1, 10, "length")):
+        tools = SlowTools({})
         engine = Engine(Script({tuple(p): script}, len(tok)), tok, kv_capacity=2 * 400, max_len=400,
-                        temperature=0.0, sandbox=SlowTools({}), max_turns=max_turns)
+                        temperature=0.0, sandbox=tools, max_turns=max_turns)
         (t,) = engine.run(iter_claim([Request(p)]), budget)
         assert t.finish == want and len(t.response_ids) <= budget
         assert t.response_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") or want == "length"
+        ran = budget > turn1 and max_turns > 1
+        assert len(tools.calls) == len(t.tool_calls) == ran, (budget, tools.calls, t.tool_calls)
 
 
 def test_kv_capacity_never_exceeded_and_seeding_ignores_batch_composition(tiny):
