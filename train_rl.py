@@ -200,6 +200,10 @@ torch.use_deterministic_algorithms(deterministic, warn_only=True)
 # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
 # stops here
 start = resume_point(run_dir, resume)
+# run_dir is this run's alone from here while it lives (its lock, run_dir/lock: nothing else there changes
+# before the checks below pass): a second run stops here, before it loads a model for minutes (and reads a
+# checkpoint the first one's rotation may delete meanwhile)
+run_lock = lock_run(run_dir) if rank == 0 else None
 # what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which
 # holds them all (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs
 # it only as the KL's reference), else model_path
@@ -380,8 +384,7 @@ try:
                     tools=task_module.TOOLS, call_timeout=tool_call_timeout or None)
 except ValueError as e:  # a setting the engine refuses (kv_reserve out of [0, 1], ...)
     raise SystemExit(f"config error: {e}")
-# every check passed: now the run directory changes, this run's alone while it lives (a second one stops here)
-run_lock = lock_run(run_dir) if rank == 0 else None
+# every check passed: now the run directory changes
 # a resumed run's steps after its checkpoint are about to be made again: their dumps go, and metrics.jsonl
 # keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
