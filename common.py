@@ -29,7 +29,7 @@ def compute_init(seed=0, timeout_s=1800):
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -65,7 +65,7 @@ def resolve_model(path, key="model_path"):
         return path
     from huggingface_hub import snapshot_download
     try:
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             snapshot_download(path)
         barrier()
         return snapshot_download(path, local_files_only=True)
@@ -77,7 +77,7 @@ def resolve_model(path, key="model_path"):
 
 
 def print0(*args, **kwargs):
-    if int(os.environ.get("RANK", 0)) == 0:
+    if os.environ.get("RANK", "0") == "0":
         print(*args, **kwargs, flush=True)
 
 
@@ -92,7 +92,7 @@ class Logger:
         self.wandb = None  # wandb: only when a project is named
         if not self.active:
             return
-        path = os.path.join(run_dir, "metrics.jsonl")
+        path = f"{run_dir}/metrics.jsonl"
         resumed = resume_step is not None and os.path.exists(path)
         # (a crash while a row was written, the disk full, leaves it cut short: a step past the checkpoint)
         rows = read_jsonl(path, torn_end=True) if resumed else []
@@ -101,9 +101,14 @@ class Logger:
         self.file = open(path, "a")
         if wandb_project:
             import wandb  # optional: only imported when asked for
+            # wandb continues a run by its id alone: a run keeps its wandb run's id in
+            # run_dir/wandb.jsonl (one row, {"id": ...}), and a resume passes it back (a new run:
+            # none, wandb makes one; "allow" then starts a new run)
+            id_path = f"{run_dir}/wandb.jsonl"
+            run_id = read_jsonl(id_path)[0]["id"] if resumed and os.path.exists(id_path) else None
             self.wandb = wandb.init(project=wandb_project, name=os.path.basename(run_dir),
-                                    config=config,
-                                    resume="allow" if resume_step is not None else None)
+                                    config=config, id=run_id, resume="allow")
+            write_jsonl(id_path, [{"id": self.wandb.id}])
 
     def log(self, step, metrics):
         """metrics: {name: a number, or a tensor of one element (read here, once)}"""
@@ -160,9 +165,9 @@ def write_jsonl(path, rows):
     killed mid-write (or out of disk) leaves the earlier file as it was (a resume's metrics.jsonl, its
     history)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:
         f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
+    os.replace(f"{path}.tmp", path)
 
 
 def barrier():

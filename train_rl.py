@@ -45,10 +45,9 @@ from transformers import AutoTokenizer
 import agent
 import grading
 import grpo_roc
-from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
+from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run, model_dir,
                         resume_point, save_checkpoint)
-from common import (Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted,
-                    print0, resolve_model)
+from common import Logger, barrier, compute_cleanup, compute_init, pack, pack_sorted, print0
 from configurator import configure, require
 from model import collate, full_value, load_model, token_logprobs, use_flash
 from rollout import Engine, Request, kv_rows
@@ -176,7 +175,11 @@ require(globals(),
         # the optimisation and the loss
         "lr >= 0", "warmup_steps >= 0", "grad_clip > 0", "mini_batches >= 1",
         "0 <= eps_low < 1", "eps_high >= 0",
-        "dual_clip == 0 or dual_clip > 1", "kl_coef >= 0", "tis_cap == 0 or tis_cap >= 1", "mismatch_band >= 0")
+        "dual_clip == 0 or dual_clip > 1", "kl_coef >= 0", "tis_cap == 0 or tis_cap >= 1",
+        "mismatch_band >= 0",
+        # the checkpoints: a negative count made the rotation's [:-keep] delete the oldest ones, the
+        # newest among them
+        "keep_checkpoints >= 0")
 # -----------------------------------------------------------------------------
 
 try:
@@ -200,14 +203,14 @@ torch.use_deterministic_algorithms(deterministic, warn_only=True)
 # the checkpoint to resume (--resume=true), or None; a new run where an earlier one left checkpoints
 # stops here
 start = resume_point(run_dir, resume)
-# run_dir is this run's alone from here while it lives (its lock, run_dir/lock: nothing else there changes
-# before the checks below pass): a second run stops here, before it loads a model for minutes (and reads a
-# checkpoint the first one's rotation may delete meanwhile)
+# run_dir is this run's alone from here while it lives (its lock, run_dir/lock: nothing else there
+# changes before the checks below pass): a second run stops here, before it loads a model for
+# minutes (and reads a checkpoint the first one's rotation may delete meanwhile)
 run_lock = lock_run(run_dir) if rank == 0 else None
 # what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which
 # holds them all (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs
-# it only as the KL's reference), else model_path
-init_path = start or resolve_model(model_path)
+# it only as the KL's reference), else model_path (a run directory: its newest checkpoint)
+init_path = start or model_dir(model_path)
 ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA
 packed = use_flash(device, ptdtype)
@@ -264,7 +267,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_dec
 # reach every loss term
 reference = None
 if kl_coef or kl_ref:
-    ref_path = resolve_model(kl_ref or model_path, "kl_ref")
+    ref_path = model_dir(kl_ref or model_path, "kl_ref")
     reference = load_trainable(ref_path, device, ptdtype, frozen=True)
     terms.append(("loss/kl", functools.partial(grpo_roc.kl_penalty, kind=kl_estimator), kl_coef))
 step, cursor = 0, 0
@@ -279,7 +282,7 @@ elif optimizer_from:
 # model_path when that is a checkpoint of an earlier stage on the same stream (stage 2: not
 # replaying stage 1's first prompts)
 stream = (data_path, len(data), seed)
-prev_state = os.path.join(init_path, "trainer_state.pt")
+prev_state = f"{init_path}/trainer_state.pt"
 if (start or not data_restart) and os.path.isfile(prev_state):
     prev = torch.load(prev_state, weights_only=False)
     if prev.get("stream") == stream:
@@ -346,8 +349,8 @@ def dump_step(step, mine, groups):
     what the tool answered, and what RoC kept. Each rank writes its own trajectories, then rank 0 appends the
     parts to one file, in rank order: readers sort by (group, sample). groups: the step's summaries, one list
     per group in sample order (the step loop's)."""
-    path = os.path.join(run_dir, "rollouts", f"step_{step:06d}.jsonl.gz")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    path = f"{run_dir}/rollouts/step_{step:06d}.jsonl.gz"
+    os.makedirs(f"{run_dir}/rollouts", exist_ok=True)
     prompts = {}
     # level 9, the default, is 12x slower for 10% less
     with gzip.open(f"{path}.{rank}", "wt", compresslevel=1) as f:
@@ -388,7 +391,7 @@ except ValueError as e:  # a setting the engine refuses (kv_reserve out of [0, 1
 # a resumed run's steps after its checkpoint are about to be made again: their dumps go, and metrics.jsonl
 # keeps the rows up to the checkpoint (see Logger)
 if start and rank == 0:
-    for path in glob.glob(os.path.join(run_dir, "rollouts", "step_*.jsonl.gz")):
+    for path in glob.glob(f"{run_dir}/rollouts/step_*.jsonl.gz"):
         if int(os.path.basename(path)[5:11]) > step:
             os.remove(path)
 logger = Logger(run_dir, wandb_project, cfg, rank, resume_step=step if start else None)

@@ -201,10 +201,9 @@ if __name__ == "__main__":
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run,
+    from checkpoint import (checkpoint_dir, load_trainable, load_trainer_state, lock_run, model_dir,
                             resume_point, save_checkpoint)
-    from common import (Logger, compute_cleanup, compute_init, pack, pack_sorted, print0,
-                        resolve_model)
+    from common import Logger, compute_cleanup, compute_init, pack, pack_sorted, print0
     from configurator import configure, require
     from model import collate, full_value, save_model, token_logprobs, use_flash
     from scheduler import gather
@@ -237,7 +236,8 @@ if __name__ == "__main__":
     require(globals(), "epochs >= 1", "lr >= 0", "0 <= lr_min_ratio <= 1", "0 <= warmup_ratio <= 1",
             "batch_size >= 1", "max_seq_len <= max_tokens_per_micro", "grad_clip > 0", "log_every >= 1")
     rank, world, device = compute_init(seed)
-    model_path = resolve_model(model_path)
+    # a model directory or Hub id; a run directory: its newest checkpoint
+    model_path = model_dir(model_path)
     # packed rows for flash-attn's varlen kernel, padded batches for SDPA
     ptdtype = getattr(torch, dtype)
     packed = use_flash(device, ptdtype)

@@ -5,11 +5,14 @@ log of a resumed run."""
 import json
 import os
 import random
+import sys
+import types
 
 import pytest
 import torch
 
-from checkpoint import checkpoints, has_weights, latest_checkpoint, load_trainable, load_trainer_state, save_checkpoint
+from checkpoint import (checkpoints, has_weights, latest_checkpoint, load_trainable,
+                        load_trainer_state, model_dir, save_checkpoint)
 from common import Logger, pack, pack_sorted, read_jsonl, write_jsonl
 from model import Config, Qwen, save_model
 
@@ -105,6 +108,13 @@ def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
     os.makedirs(run / "step_000005.bak" / "state")
     names = [os.path.basename(p) for p in checkpoints(str(run))]
     assert names == ["step_000002", "step_000004", "step_000005"]
+    # as a model_path a run directory names its newest checkpoint, a model directory itself; the
+    # unfinished save names neither: it exits naming the key (a transformers traceback in
+    # train_rl.py)
+    assert model_dir(str(run)) == str(run / "step_000005")
+    assert model_dir(str(tmp_path / "base")) == str(tmp_path / "base")
+    with pytest.raises(SystemExit, match="kl_ref=.* is no model directory"):
+        model_dir(str(run / "step_000006.tmp"), "kl_ref")
     # the shards give back the weights and the optimizer exactly, without any HF weights
     back = load_trainable(str(run / "step_000005"), "cpu", torch.float32)
     opt2 = torch.optim.AdamW(back.parameters(), lr=1e-2)
@@ -116,6 +126,31 @@ def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
     torch.manual_seed(1)
     train_step(back, opt2)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters()))
+
+
+def test_a_checkpoint_is_on_disk_before_it_is_named_complete(tmp_path, monkeypatch):
+    # the rename makes step_X.tmp/ a checkpoint: after a power loss a file not yet written back (the
+    # page cache) came back empty or short, under a name that --resume trusts. Each sync records what
+    # the run directory then holds (every path and its size), each rename what it renames, in order
+    model, opt = tiny(tmp_path)
+    run = tmp_path / "run"
+    events = []
+    rename = os.rename
+    monkeypatch.setattr(os, "sync", lambda: events.append(
+        ("sync", {str(path.relative_to(run)): path.stat().st_size for path in run.rglob("*")
+                  if path.is_file()})))
+    monkeypatch.setattr(os, "rename", lambda src, dst: events.append(
+        ("rename", str(src))) or rename(src, dst))
+    save_checkpoint(str(run / "step_000001"), model, opt, Tok(), {"step": 1, "cursor": 0},
+                    hf_dtype=torch.float32)
+    # a sync right before the rename, when the save held every file it holds now, at its size
+    # (HF weights, config, tokenizer, trainer state, shards); then one after the rename
+    saved = {str(path.relative_to(run)).replace("step_000001", "step_000001.tmp"):
+             path.stat().st_size for path in run.rglob("*") if path.is_file()}
+    # (torch's writer renames a file of its own too)
+    completed = events.index(("rename", str(run / "step_000001.tmp")))
+    assert events[completed - 1] == ("sync", saved) and len(saved) >= 6
+    assert events[completed + 1][0] == "sync"
 
 
 def test_a_save_before_the_first_optimizer_step_changes_no_step(tmp_path):
@@ -136,6 +171,26 @@ def test_a_save_before_the_first_optimizer_step_changes_no_step(tmp_path):
         train_step(net, optimizer)
     for p, q, r in zip(unsaved.parameters(), model.parameters(), resumed.parameters()):
         assert torch.equal(p, q) and torch.equal(p, r)
+
+
+def test_a_resume_trains_with_the_configs_optimizer_settings(tmp_path):
+    # torch's load_state_dict puts back the saved param_groups' settings too: a resume, or a stage
+    # continuing optimizer_from, with another weight_decay or betas in its config went on with the
+    # checkpoint's, silently
+    model, opt = tiny(tmp_path)
+    train_step(model, opt)
+    path = str(tmp_path / "run" / "step_000001")
+    save_checkpoint(path, model, opt, Tok(), {"step": 1, "cursor": 0})
+    resumed = load_trainable(path, "cpu", torch.float32)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2, weight_decay=0.5,
+                                    betas=(0.8, 0.9))
+    load_trainer_state(path, resumed, resumed_opt)
+    [group] = resumed_opt.param_groups
+    assert (group["weight_decay"], group["betas"]) == (0.5, (0.8, 0.9))
+    # the optimizer's state (the moments) is the checkpoint's, for the same parameters
+    assert group["params"] == list(resumed.parameters())
+    for p, q in zip(opt.param_groups[0]["params"], group["params"]):
+        assert torch.equal(opt.state[p]["exp_avg"], resumed_opt.state[q]["exp_avg"])
 
 
 def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
@@ -161,6 +216,31 @@ def test_a_resumed_run_keeps_one_metrics_row_per_step(tmp_path):
     with pytest.raises(ValueError, match="metrics.jsonl:7: not valid JSON"):
         Logger(str(tmp_path), resume_step=6)
     json.dumps(rows)
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    # wandb resumes a run by its id alone: a --resume without one started a new wandb run each time.
+    # wandb (not installed here) stands in as a module that records each init and makes a new id
+    # per run
+    inits = []
+
+    class Run:
+        def __init__(self, **kwargs):
+            inits.append(kwargs)
+            self.id = kwargs["id"] or f"run{len(inits)}"
+
+        def log(self, metrics, step):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=Run))
+    Logger(str(tmp_path), "project").log(1, {"reward": 0.5})
+    Logger(str(tmp_path), "project", resume_step=1).log(2, {"reward": 0.5})
+    Logger(str(tmp_path), "project", resume_step=2)
+    assert [init["id"] for init in inits] == [None, "run1", "run1"]
+    assert all(init["resume"] == "allow" for init in inits[1:])
+    # a new run in the same directory (no checkpoint was left to resume) is a new wandb run
+    Logger(str(tmp_path), "project")
+    assert inits[-1]["id"] is None
 
 
 def test_a_jsonl_file_is_replaced_whole_or_not_at_all(tmp_path):

@@ -117,12 +117,15 @@ def test_a_second_run_in_a_run_directory_in_use_is_refused(made, tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"another run is using {run_dir}" in out.stderr, out.stderr[-2000:]
     assert os.listdir(run_dir) == ["lock"]
-    # refused before anything loads: a model_path that does not exist is not even looked at (the lock was
-    # taken after the model, the sandbox and the engine: minutes of a 14B model's loading, then refused)
+    # refused before anything loads: a model_path that does not exist is not even looked at (the
+    # lock was taken after the model, the sandbox and the engine: minutes of loading at 14B)
     with open(run_dir / "lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         out = train_rl(made, run_dir, "--steps=1", f"--model_path={tmp_path}/missing")
     assert f"another run is using {run_dir}" in out.stderr, out.stderr[-2000:]
-    # the run's own lock goes with it: the next run there starts
-    out = train_rl(made, run_dir, "--steps=1")
+    # the run's own lock goes with it: the next run there starts. Its model_path is a run directory,
+    # as eval.py takes one: its newest checkpoint, whose data stream it continues (it was a
+    # transformers traceback)
+    out = train_rl(made, run_dir, "--steps=1", f"--model_path={made}/run")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert f"data stream continued from {made}/run/step_000002" in out.stdout, out.stdout[-2000:]

@@ -218,12 +218,18 @@ def test_settings_out_of_range_are_refused_at_start(tmp_path):
             (("train_rl.py", "configs/tiny_rl.py", "--keep_per_prompt=12", "--kl_coef=-1", f"--run_dir={tmp_path}/b"),
              "need not roc or samples_per_prompt == 2 * keep_per_prompt, got roc = True, samples_per_prompt = 16, "
              "keep_per_prompt = 12"),
+            # a negative count made the rotation's [:-keep] the oldest checkpoints, the one just
+            # saved among them
+            (("train_rl.py", "configs/tiny_rl.py", "--keep_checkpoints=-1",
+              f"--run_dir={tmp_path}/c"),
+             "need keep_checkpoints >= 0, got keep_checkpoints = -1"),
             (("train_sft.py", "configs/tiny_sft.py", "--max_tokens_per_micro=200"),
              "need max_seq_len <= max_tokens_per_micro, got max_seq_len = 512, max_tokens_per_micro = 200"),
             (("eval.py", "configs/tiny_eval.py", "--top_p=0"), "need 0 < top_p <= 1, got top_p = 0.0")]:
         out = run(*cmd, check=False)
         assert out.returncode == 2 and out.stderr.splitlines()[-1] == f"config error: {says}", out.stderr
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")  # nothing made
+    assert not os.path.exists(tmp_path / "c")
 
 
 def test_prompts_all_too_long_name_the_key(sft, tmp_path):
