@@ -53,8 +53,8 @@ def checkpoints(run_dir):
 
 def latest_checkpoint(run_dir, weights=False):
     """The newest complete checkpoint of run_dir (weights=True: the newest with HF weights), or None."""
-    found = [p for p in checkpoints(run_dir) if has_weights(p) or not weights]
-    return found[-1] if found else None
+    # the names sort by step: the newest is the greatest
+    return max((p for p in checkpoints(run_dir) if has_weights(p) or not weights), default=None)
 
 
 def model_dir(path, key="model_path"):
@@ -65,7 +65,7 @@ def model_dir(path, key="model_path"):
     if os.path.isfile(f"{path}/config.json"):
         return path
     newest = latest_checkpoint(path)
-    if newest is None:
+    if not newest:
         raise SystemExit(f"config error: {key}={path!r} is no model directory (config.json) "
                          "nor a run directory (step_*/)")
     return newest
