@@ -88,20 +88,23 @@ def resume_point(run_dir, resume):
     return start
 
 
+_run_lock = None  # run_dir/lock, open while this process lives (lock_run)
+
+
 def lock_run(run_dir):
     """Hold run_dir/lock while this process lives (the kernel lets it go when the process ends, killed or
     not): a second run pointed at run_dir, a job started twice, stops here instead of interleaving its
-    metrics rows, dumps and checkpoints with the first's. Rank 0 calls it; keep what it returns. On a
-    file system without locks (Lustre mounted without flock) runs are not guarded."""
+    metrics rows, dumps and checkpoints with the first's. Rank 0 calls it; the open file stays here. On
+    a file system without locks (Lustre mounted without flock) runs are not guarded."""
+    global _run_lock
     os.makedirs(run_dir, exist_ok=True)
-    lock = open(f"{run_dir}/lock", "w")
+    _run_lock = open(f"{run_dir}/lock", "w")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(_run_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise SystemExit(f"config error: another run is using {run_dir} (it holds {run_dir}/lock)")
     except OSError:  # no locks here
         pass
-    return lock
 
 
 def load_trainable(path, device, dtype, activation_checkpointing=False, compiled=False, frozen=False):

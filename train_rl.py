@@ -206,7 +206,8 @@ start = resume_point(run_dir, resume)
 # run_dir is this run's alone from here while it lives (its lock, run_dir/lock: nothing else there
 # changes before the checks below pass): a second run stops here, before it loads a model for
 # minutes (and reads a checkpoint the first one's rotation may delete meanwhile)
-run_lock = lock_run(run_dir) if rank == 0 else None
+if rank == 0:
+    lock_run(run_dir)
 # what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which
 # holds them all (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs
 # it only as the KL's reference), else model_path (a run directory: its newest checkpoint)

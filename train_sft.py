@@ -281,7 +281,8 @@ if __name__ == "__main__":
     start = resume_point(out_dir, resume)
     # out_dir is this run's alone from here while it lives: a second run stops here, before it loads a
     # model for minutes (and reads a checkpoint the first one's rotation may delete meanwhile)
-    run_lock = lock_run(out_dir) if rank == 0 else None
+    if rank == 0:
+        lock_run(out_dir)
     model = load_trainable(start or model_path, device, ptdtype, activation_checkpointing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     step = 0
