@@ -58,17 +58,14 @@ def latest_checkpoint(run_dir, weights=False):
 
 
 def model_dir(path, key="model_path"):
-    """The model directory a config key names: common.resolve_model's (a directory, or a Hub id); a
-    run directory (no config.json of its own) names its newest complete checkpoint, as for eval.py
-    (which takes the newest with HF weights). A directory that is neither exits naming the key."""
+    """The model directory a config key names: common.resolve_model's (a directory, or a Hub id),
+    holding a model (config.json). Anything else, a run directory among them (eval.py takes its
+    newest weights; a run to train from names its checkpoint), exits naming the key."""
     path = resolve_model(path, key)
-    if os.path.isfile(f"{path}/config.json"):
-        return path
-    newest = latest_checkpoint(path)
-    if not newest:
-        raise SystemExit(f"config error: {key}={path!r} is no model directory (config.json) "
-                         "nor a run directory (step_*/)")
-    return newest
+    if not os.path.isfile(f"{path}/config.json"):
+        raise SystemExit(f"config error: {key}={path!r} holds no model (config.json); a run "
+                         "directory's are its checkpoints: name one (step_*/)")
+    return path
 
 
 def resume_point(run_dir, resume):

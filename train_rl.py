@@ -210,7 +210,7 @@ if rank == 0:
     lock_run(run_dir)
 # what the run starts from (weights, tokenizer, data cursor): the checkpoint it resumes, which
 # holds them all (model_path, an earlier stage's checkpoint, may be deleted by then: a resume needs
-# it only as the KL's reference), else model_path (a run directory: its newest checkpoint)
+# it only as the KL's reference), else model_path
 init_path = start or model_dir(model_path)
 ptdtype = getattr(torch, dtype)
 # packed rows for flash-attn's varlen kernel, padded batches for SDPA

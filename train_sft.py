@@ -236,7 +236,7 @@ if __name__ == "__main__":
     require(globals(), "epochs >= 1", "lr >= 0", "0 <= lr_min_ratio <= 1", "0 <= warmup_ratio <= 1",
             "batch_size >= 1", "max_seq_len <= max_tokens_per_micro", "grad_clip > 0", "log_every >= 1")
     rank, world, device = compute_init(seed)
-    # a model directory or Hub id; a run directory: its newest checkpoint
+    # a model directory or Hub id (a run directory: one of its checkpoints)
     model_path = model_dir(model_path)
     # packed rows for flash-attn's varlen kernel, padded batches for SDPA
     ptdtype = getattr(torch, dtype)

@@ -123,9 +123,10 @@ def test_a_second_run_in_a_run_directory_in_use_is_refused(made, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)
         out = train_rl(made, run_dir, "--steps=1", f"--model_path={tmp_path}/missing")
     assert f"another run is using {run_dir}" in out.stderr, out.stderr[-2000:]
-    # the run's own lock goes with it: the next run there starts. Its model_path is a run directory,
-    # as eval.py takes one: its newest checkpoint, whose data stream it continues (it was a
-    # transformers traceback)
+    # a model_path that is a run directory: refused, naming it (it was a transformers traceback)
     out = train_rl(made, run_dir, "--steps=1", f"--model_path={made}/run")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"model_path='{made}/run' holds no model" in out.stderr, out.stderr[-2000:]
+    # the run's own lock goes with it: the next run there starts
+    out = train_rl(made, run_dir, "--steps=1")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"data stream continued from {made}/run/step_000002" in out.stdout, out.stdout[-2000:]
