@@ -89,10 +89,11 @@ _run_lock = None  # run_dir/lock, open while this process lives (lock_run)
 
 
 def lock_run(run_dir):
-    """Hold run_dir/lock while this process lives (the kernel lets it go when the process ends, killed or
-    not): a second run pointed at run_dir, a job started twice, stops here instead of interleaving its
-    metrics rows, dumps and checkpoints with the first's. Rank 0 calls it; the open file stays here. On
-    a file system without locks (Lustre mounted without flock) runs are not guarded."""
+    """Hold run_dir/lock while this process lives (the kernel lets it go when the process ends,
+    killed or not): a second run pointed at run_dir, a job started twice, stops here instead of
+    interleaving its metrics rows, dumps and checkpoints with the first's. Rank 0 calls it; the open
+    file stays here. On a file system without locks (Lustre mounted without flock) runs are not
+    guarded."""
     global _run_lock
     os.makedirs(run_dir, exist_ok=True)
     _run_lock = open(f"{run_dir}/lock", "w")

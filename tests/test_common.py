@@ -128,8 +128,8 @@ def test_checkpoints_whole_or_not_at_all_rotated_and_exact(tmp_path):
 
 def test_a_checkpoint_is_on_disk_before_it_is_named_complete(tmp_path, monkeypatch):
     # the rename makes step_X.tmp/ a checkpoint: after a power loss a file not yet written back (the
-    # page cache) came back empty or short, under a name that --resume trusts. Each sync records what
-    # the run directory then holds (every path and its size), each rename what it renames, in order
+    # page cache) came back empty or short, under a name that --resume trusts. Each sync records
+    # what the run directory then holds (every file and its size), each rename what it renames
     model, opt = tiny(tmp_path)
     run = tmp_path / "run"
     events = []
