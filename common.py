@@ -146,7 +146,11 @@ def read_jsonl(path, required=None, torn_end=False):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object, "
                                  f"got {type(row).__name__}")
-            columns = required(row) if callable(required) else required or {}
+            # (a row that names its task: that task file missing, or not a task, is this line's error)
+            try:
+                columns = required(row) if callable(required) else required or {}
+            except (OSError, ValueError, ImportError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
             for key, kind in columns.items():
                 if key not in row:
                     raise ValueError(f"{path}:{lineno}: missing field {key!r}")

@@ -362,7 +362,8 @@ def _load_file(path):
 def row_task(row, default):
     """The task a data row names in its "task" column (a task file, loaded once), else `default`: one run or
     eval mixes tasks, each row prompted, offered tools and graded by its own."""
-    return load_task(row["task"]) if "task" in row else default
+    # (a "task" of another type is read as text: the error then names it, as a module not found)
+    return load_task(str(row["task"])) if "task" in row else default
 
 
 def rollout_seam(row, default):
@@ -379,7 +380,7 @@ def read_problems(path, task):
     from common import read_jsonl  # here, not at the top: the math-verify helper runs this file without torch
     try:
         return read_jsonl(path, required=lambda row: row_task(row, task).COLUMNS)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         raise SystemExit(f"data error: {e}")
 
 

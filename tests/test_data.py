@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import statistics
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ import sympy
 
 import agent
 import data
+import grading
 from common import read_jsonl, write_jsonl as common_write_jsonl
 from tasks import math as math_task
 import zygote
@@ -99,6 +101,19 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
     path.write_bytes(b'{"question": "q", "answer": "1"}\n{"question": "\xff", "answer": "1"}\n')
     with pytest.raises(ValueError, match=str(path).replace(".", r"\.") + ":2: not valid JSON.*utf-8"):
         read_jsonl(str(path), math_task.COLUMNS)
+
+
+def test_a_rows_bad_task_is_named_by_its_line(tmp_path):
+    # a row's "task" that is no task file: an AttributeError traceback (a number), or "file ... not found"
+    # without the data file and line
+    path = tmp_path / "mixed.jsonl"
+    row = '{"question": "q", "answer": "1"}\n'
+    for task, msg in (("5", "No module named '5'"), ('"tasks/nope.py"', "file 'tasks/nope.py' not found"),
+                      ('"no_such_module"', "No module named 'no_such_module'"),
+                      ('"configurator.py"', "task 'configurator.py' does not define COLUMNS")):
+        path.write_text(row + row[:-2] + f', "task": {task}}}\n')
+        with pytest.raises(SystemExit, match=re.escape(f"data error: {path}:2: {msg}")):
+            grading.read_problems(str(path), math_task)
 
 
 def test_sft_conversation():
