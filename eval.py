@@ -43,6 +43,9 @@ Metrics (summary.json, summary.md, printed):
   tool/          calls per answer, the share that failed (err: status invalid / error / timeout / memory / crash;
                  err_pos: in correct answers), did not parse (unparsed), named no tool (unknown_tool), or repeated
                  the call before (repeat). rollout/ and tool/ keys are those train_rl.py logs each step
+  grade/         the grades scored 0 without a verdict, on all ranks (summary.json; train_rl.py logs them too):
+                 verification too slow (timed_out), an answer too long or deep to parse (refused), no
+                 math-verify helper to be had or the task's grade raised (failed)
 Outputs in out_dir: summary.json, summary.md (the table + one row per problem), per_problem.jsonl,
 trajectories.jsonl (every trajectory decoded, in train_rl.py's dump record: view.py shows them; in the
 order the ranks finished them, so sort by (group, sample); --save_trajectories=false skips it for huge runs).
@@ -75,7 +78,7 @@ from tqdm import tqdm
 import agent
 import grading
 from rollout import Request
-from scheduler import (Lazy, dump_line, gather_summaries, generate, join_parts, rollout_metrics,
+from scheduler import (Lazy, dump_line, gather, gather_summaries, generate, join_parts, rollout_metrics,
                        summarize)
 
 # evaluate()'s calls in this process: each claims from a counter of its own in the ranks' shared
@@ -231,6 +234,10 @@ def evaluate(engine, tokenizer, problems, samples, budget, mode="dynamic", score
     for graded in summaries:
         groups[graded.problem].append(graded)
     summary, per_problem = metrics(groups)
+    # the grades scored 0 without a verdict, on all ranks (grading.Grader.results: too slow, refused,
+    # failed): a math-verify helper that never started zeroed every answer it had to check, unseen
+    for key in ("timed_out", "refused", "failed"):
+        summary[f"grade/{key}"] = sum(gather(grader.stats[key]))
     # rows that name their own tasks: the same metrics per task too, under summary["tasks"][name]
     names = [grading.row_task(problem, task).__name__ for problem in problems]
     if len(set(names)) > 1:

@@ -177,6 +177,8 @@ def test_a_grade_given_up_on_scores_0_even_if_it_ends_just_after(monkeypatch):
     summary, per = ev.evaluate(types.SimpleNamespace(sandbox=None), tok, [{"question": "q"}], 1,
                                10, prompt_ids=[[1]], task=task)
     assert summary["avg@k"] == 0.0 and per[0]["correct"] == 0
+    # and the summary counts it: a grade scored 0 without a verdict was in no output of eval.py
+    assert summary["grade/timed_out"] == 1 and summary["grade/failed"] == 0
 
 
 # ----------------------------------------------------------------------------- metrics on crafted trajectories
