@@ -895,12 +895,12 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if rank0:
         os.makedirs(path, exist_ok=True)
-        for old in os.listdir(path):  # a stale single file or index would shadow the new weights
-            if old.startswith("model") and old.endswith((".safetensors",
-                                                         ".safetensors.index.json")):
+        # a stale single file or index would shadow the new weights; the config goes too, and comes
+        # back last: a save cut short (a kill, a full disk) leaves no directory that reads as a model
+        for old in os.listdir(path):
+            weights = old.startswith("model") and old.endswith((".safetensors", ".safetensors.index.json"))
+            if weights or old == "config.json":
                 os.remove(f"{path}/{old}")
-        with open(f"{path}/config.json", "w") as f:
-            json.dump(model.cfg.to_dict(dtype), f, indent=2)
     for names, file in zip(shards, files):
         tensors = {}
         for name in names:
@@ -914,6 +914,9 @@ def save_model(model, path, max_shard_bytes=5 * 2**30, dtype=None):
         weight_map = {name: file for names, file in zip(shards, files) for name in names}
         with open(f"{path}/model.safetensors.index.json", "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    if rank0:
+        with open(f"{path}/config.json", "w") as f:
+            json.dump(model.cfg.to_dict(dtype), f, indent=2)
 
 
 # -----------------------------------------------------------------------------

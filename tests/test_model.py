@@ -302,7 +302,7 @@ def test_entropy_is_computed_once_off_the_graph(pair, monkeypatch):
     ours.zero_grad()
 
 
-def test_save_then_transformers_load(pair, tmp_path):
+def test_save_then_transformers_load(pair, tmp_path, monkeypatch):
     hf, ours, _ = pair
     fresh = Qwen(ours.cfg)  # a model only we have touched
     randomize(fresh, seed=5)
@@ -330,6 +330,22 @@ def test_save_then_transformers_load(pair, tmp_path):
     # re-saving unsharded into the sharded directory must not leave the old index behind
     save_model(fresh, str(out))
     assert sorted(f for f in os.listdir(out) if f.startswith("model")) == ["model.safetensors"]
+    # a save cut short (a kill, a full disk) in its second shard leaves no config.json: nothing there
+    # reads as a model (train_sft's final save into out_dir left the earlier config beside a short file)
+    real_save_file = model_module.save_file
+    written = []
+
+    def fail_on_the_second(tensors, filename, metadata):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(filename)
+        real_save_file(tensors, filename, metadata=metadata)
+    with monkeypatch.context() as patch:
+        patch.setattr(model_module, "save_file", fail_on_the_second)
+        with pytest.raises(OSError, match="No space left"):
+            save_model(fresh, str(out), max_shard_bytes=20_000)
+    assert not (out / "config.json").exists() and len(written) == 1
+    save_model(fresh, str(out))
     # a directory with a config and no weights is refused, named
     os.remove(out / "model.safetensors")
     with pytest.raises(FileNotFoundError, match=f"{out}: neither model.safetensors nor"):
