@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from common import barrier, resolve_model
 from model import load_model, load_weights, save_model, shard_model
+from scheduler import gather
 
 # a single process saves and loads its checkpoints with torch.distributed.checkpoint too: it says so each time
 warnings.filterwarnings("ignore",
@@ -41,8 +42,8 @@ def checkpoint_dir(run_dir, step):
 
 
 def has_weights(path):
-    """Does path hold HF weights (what eval.py and transformers load)?"""
-    return bool(glob.glob(f"{path}/model*.safetensors"))
+    """The HF weight files path holds (what eval.py and transformers load): none, an empty list."""
+    return glob.glob(f"{path}/model*.safetensors")
 
 
 def checkpoints(run_dir):
@@ -73,7 +74,9 @@ def resume_point(run_dir, resume):
     without. Exits where the two disagree: resume with no checkpoint; or a new run where an earlier
     one left checkpoints, which would mix with it (metrics.jsonl emptied, the rotation deleting the
     new run's checkpoints before the old run's, a later --resume taking the old run's newest)."""
-    start = latest_checkpoint(run_dir)
+    # rank 0's newest, on every rank: a node whose view of a shared file system lags (NFS keeps a
+    # folder's listing up to a minute) read another checkpoint's shards than the rest, unsaid
+    start = gather(latest_checkpoint(run_dir))[0]
     if resume and not start:
         raise SystemExit(
             f"config error: --resume=true but {run_dir} holds no complete checkpoint (step_*/): "

@@ -221,7 +221,7 @@ def pack_sorted(lengths, max_tokens, world=1):
     runs = [[] for _ in range(world)]
     for k, i in enumerate(order):
         turn = k % world
-        runs[turn if (k // world) % 2 == 0 else world - 1 - turn].append(i)
+        runs[world - 1 - turn if k // world % 2 else turn].append(i)
     # cut each rank's run into bins; the run is longest first, so a bin's first sequence is its longest
     per_rank = []
     for run in runs:
@@ -232,6 +232,6 @@ def pack_sorted(lengths, max_tokens, world=1):
             else:
                 bins.append([i])
         per_rank.append(bins)
-    m = max(1, max(map(len, per_rank)))
+    m = max(1, *map(len, per_rank))
     return [per_rank[r][j] if j < len(per_rank[r]) else [] for j in range(m) for r in range(world)]
 

@@ -237,7 +237,7 @@ class Grader:
         and replaced: timed_out) or when no helper could be had (failed).
         """
         proc = self._helper()
-        if proc is None:
+        if not proc:
             self._count("failed")
             return None
         request = [os.path.abspath(function.__code__.co_filename), function.__name__, args]

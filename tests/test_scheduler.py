@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 import transformers
 
 import agent
+import checkpoint
 import data
 import grading
 from model import load_model
@@ -79,3 +80,22 @@ def test_dynamic_claiming_balances_two_ranks():
     # which rank generated a request does not change its tokens (per-request generators)
     tokens = {mode: sorted(r0[mode][3] + r1[mode][3]) for mode in ("static", "dynamic")}
     assert tokens["dynamic"] == tokens["static"]
+
+
+def resume_worker(rank, root, init_file, results):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    # each rank's own view of the run directory: rank 1's lags a checkpoint behind, as a node's view
+    # of a shared file system can (NFS keeps a folder's listing for up to a minute)
+    results[rank] = checkpoint.resume_point(f"{root}/view{rank}", resume=True)
+    dist.destroy_process_group()
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_sees(tmp_path):
+    # each rank took its own newest: rank 1 loaded step 1's shards while rank 0 loaded step 2's,
+    # and the run went on with a model of two checkpoints, unsaid
+    for rank, steps in ((0, (1, 2)), (1, (1,))):
+        for step in steps:
+            os.makedirs(checkpoint.checkpoint_dir(f"{tmp_path}/view{rank}", step))
+    results = mp.Manager().dict()
+    mp.spawn(resume_worker, args=(str(tmp_path), f"{tmp_path}/init", results), nprocs=2, join=True)
+    assert results[0] == results[1] == f"{tmp_path}/view0/step_000002"
