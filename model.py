@@ -99,9 +99,10 @@ class Config:
 
     def to_dict(self, dtype):
         """the config.json that transformers (4.x and 5.x) reads back"""
-        # architectures: Qwen3ForCausalLM or Qwen2ForCausalLM
+        # architectures: Qwen3ForCausalLM or Qwen2ForCausalLM; use_cache and use_sliding_window are left
+        # to transformers' defaults (True, False), as vLLM reads them through the same config class
         return dict(asdict(self), architectures=[f"{self.model_type.capitalize()}ForCausalLM"],
-                    hidden_act="silu", use_cache=True, use_sliding_window=False,
+                    hidden_act="silu",
                     rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
                     torch_dtype=str(dtype).removeprefix("torch."))
 
@@ -836,8 +837,9 @@ def load_weights(model, path, device):
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                    continue  # some tied checkpoints store the head anyway
+                # some tied checkpoints store the head anyway; older exports store rope's inv_freq buffer
+                if name == "lm_head.weight" and model.cfg.tie_word_embeddings or name.endswith("inv_freq"):
+                    continue
                 if name not in params:
                     raise KeyError(f"{file}: tensor {name!r} matches no parameter of the model")
                 p = params[name]

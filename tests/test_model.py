@@ -3,11 +3,13 @@
 import itertools
 import json
 import os
+import shutil
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import model as model_module
@@ -638,6 +640,19 @@ def test_load_in_bf16_and_config(pair):
     names = set(dict(bf.named_parameters()))
     assert names == set(dict(hf.named_parameters())) - ({"lm_head.weight"} if bf.cfg.tie_word_embeddings else set())
     assert load_model(path, device="meta").model.embed_tokens.weight.is_meta
+
+
+def test_load_skips_stored_rotary_inv_freq(pair, tmp_path):
+    """Older exports store rope's inv_freq buffer beside the weights; it is recomputed from the config, so
+    load_model skips it rather than failing on a tensor that matches no parameter."""
+    hf, ours, path = pair
+    shutil.copy(f"{path}/config.json", tmp_path)
+    tensors = load_file(f"{path}/model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(ours.cfg.head_dim // 2)
+    save_file(tensors, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    loaded = load_model(str(tmp_path))
+    for name, p in ours.named_parameters():
+        assert torch.equal(loaded.get_parameter(name), p), name
 
 
 def test_config_rejects_unsupported(tmp_path):
