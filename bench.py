@@ -1298,12 +1298,19 @@ class GraphedSteps:
         if key not in self.graphs:
             copies = [z.clone() for z in inputs]
             args = (*copies[:2], {**att, **dict(zip(names, copies[2:]))})
-            # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does; its writes into the
-            # pool are the step's own, which the replay repeats
-            self.model.run(*args)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model.run(*args)
+            # the warm-up and the capture on one side stream, as torch's docs prescribe: a lazy
+            # initialisation made once a stream (cuBLAS's workspace is one a stream) is then made
+            # by the warm-up, not in the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())  # after the copies are made
+            with torch.cuda.stream(stream):
+                # a warm-up run first (lazy initialisations stay out of the graph), as vLLM does;
+                # its writes into the pool are the step's own, which the replay repeats
+                self.model.run(*args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model.run(*args)
+            torch.cuda.current_stream().wait_stream(stream)
             self.pool = graph.pool()
             self.graphs[key] = (graph, copies, out)
         graph, copies, out = self.graphs[key]

@@ -1,8 +1,12 @@
 """Static-shape decode steps (model.Qwen.static_step, issue 45 item 1) against the eager path: the same tokens,
 greedy and sampled, through the whole engine (tool turns, preemption, rows joining and leaving), run eagerly at
 fixed shapes ("static") and through inductor ("compile"); the logits of padded buckets against forward_cached's."""
+import contextlib
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 from model import KVCache, load_model
@@ -146,6 +150,110 @@ def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
     assert [(r["batch"], r["side"]) for r in rows] == [(1, "eager"), (1, "static"), (3, "eager"), (3, "static")]
     assert all(r["same_tokens"] == r["rows"] == r["batch"] for r in rows)
     assert [r["first_run_s"] is not None for r in rows] == [False, True, False, True]
+
+
+class RecordedGraph:
+    """A CPU stand-in for torch.cuda.CUDAGraph: the capture records the aten ops a step runs,
+    and a replay runs them again on the same tensors, as a graph replays its kernels on the same
+    memory. So what a replay does not copy into the graph's own inputs, or a Python decision on
+    a value, replays as it was at the capture."""
+
+    def __init__(self):
+        self.ops = []  # (op, args, kwargs, outputs) in the order they ran
+        self.replays = 0
+
+    def pool(self):
+        return None
+
+    def replay(self):
+        self.replays += 1
+        for op, args, kwargs, out in self.ops:
+            again = op(*args, **kwargs)
+            for old, new in zip(pytree.tree_leaves(out), pytree.tree_leaves(again)):
+                # a view of the memory it wrote is already up to date
+                if not torch.is_tensor(old):
+                    continue
+                if old.untyped_storage().data_ptr() != new.untyped_storage().data_ptr():
+                    old.copy_(new)
+
+
+class Capture(TorchDispatchMode):
+    """records each op into a RecordedGraph; an op that waits on the host (.item(), bool of a
+    tensor, nonzero, a mask's indexing) or draws random numbers fails, as it would in a CUDA
+    graph's capture"""
+
+    def __init__(self, graph):
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        host = op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+        # (SDPA's ops are tagged as seeded, for their dropout: the names say which ops draw)
+        random_ops = ("rand", "bernoulli", "multinomial", "normal", "uniform")
+        draws = any(word in str(op) for word in random_ops)
+        assert not (host or draws), f"{op} in a CUDA graph's capture"
+        out = op(*args, **kwargs)
+        self.graph.ops.append((op, args, kwargs, out))
+        return out
+
+
+def test_graphed_steps_replay_the_eager_tokens(tmp_path, monkeypatch):
+    """bench.py's GraphedSteps (CUDA graphs captured by hand, run only on a GPU) on a CPU
+    stand-in for CUDA graphs (RecordedGraph): the same greedy tokens as eager steps, a graph per
+    shape (bucket of rows and pages) replayed at every step, no host sync or random draw in a capture,
+    and each graph warmed up on the stream that captures it (a lazy initialisation made once a
+    stream, as cuBLAS's workspace, must not happen in the capture)"""
+    import bench
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    default = Stream()
+    streams = [default]  # the current stream last
+    runs = []  # the stream each of the model's runs (its layers' forwards) ran on
+    graphs = []
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        streams.append(stream)
+        yield
+        streams.pop()
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, stream=None):
+        assert stream is streams[-1] is not default
+        graphs.append(graph)
+        with Capture(graph):
+            yield
+    for name, fake in (("CUDAGraph", RecordedGraph), ("graph", capture), ("Stream", Stream),
+                       ("stream", on_stream), ("current_stream", lambda: streams[-1])):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    bench.random_qwen3(str(tmp_path), dry=True)
+    model = load_model(str(tmp_path)).eval()
+    run = model.run
+    monkeypatch.setattr(model, "run", lambda *a, **kw: runs.append(streams[-1]) or run(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(3)]
+    # pages of 4 tokens: a row's pages cross a power of two (4 to 6, its whole row) while it
+    # decodes
+    engine = Engine(model, bench.NoStops(), kv_capacity=3 * 21, max_len=21, max_rows=3,
+                    page_size=4)
+    eager = engine.generate(prompts, 12)
+    runs.clear()
+    model.decode_mode = "static"
+    model.static_step = bench.GraphedSteps(model)
+    assert engine.generate(prompts, 12) == eager
+    # 3 rows padded to 4, with 4 pages and then 6: two graphs, each replayed at every step of its
+    # shape
+    assert [graph for graph, _, _ in model.static_step.graphs.values()] == graphs
+    assert len(graphs) == 2
+    assert sum(graph.replays for graph in graphs) == 11
+    # the prompts' prefill on the default stream; each graph's warm-up run, then its capture, on
+    # one side stream
+    assert runs[0] is default and len(runs) == 5 and default not in runs[1:]
+    assert runs[1] is runs[2] and runs[3] is runs[4]
 
 
 def test_the_memory_bench_runs_at_14b_shapes():
