@@ -1163,8 +1163,12 @@ class NoStops:
 def random_qwen3(path, dry):
     """A random Qwen3 saved to path (fp32) -> its transformers config. On a GPU Qwen3-0.6B's own shapes
     (28 layers, width 1024, 16/8 heads of 128, MLP 3072, vocabulary 151,936, tied); --cpu: a toy.
-    The (tied) embedding is scaled x40 so logits are peaked (std ~25) and greedy argmax is not decided by
-    near-ties that rounding could flip."""
+    The final norm's weight is scaled x40 so logits are peaked (std ~25 at 0.6B's shapes) and
+    greedy argmax is seldom decided by near-ties that rounding could flip; the layers' output
+    projections x4, so the residual stream is the layers' and not the token's own embedding: the
+    greedy tokens then depend on what attention read, which sections 2 and 3b compare. With the
+    (tied) embedding scaled x40 instead, as before, every greedy token was its input token, at
+    0.6B's shapes and the toy's alike: those comparisons could not fail."""
     shapes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16) if dry else \
         dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -1175,7 +1179,10 @@ def random_qwen3(path, dry):
     with torch.device("cpu" if dry else "cuda"):  # 0.6B random weights are made in a second on the card
         hf = transformers.Qwen3ForCausalLM(cfg)
     with torch.no_grad():
-        hf.model.embed_tokens.weight.mul_(40.0)
+        hf.model.norm.weight.mul_(40.0)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.mul_(4.0)
+            layer.mlp.down_proj.weight.mul_(4.0)
     hf.save_pretrained(path)
     return cfg
 

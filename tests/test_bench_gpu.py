@@ -6,9 +6,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
+from model import load_model  # noqa: E402
 
 
 def metrics(kept):
@@ -33,3 +35,20 @@ def test_the_rl_section_fails_when_no_step_updated_the_weights(tmp_path, monkeyp
     else:
         bench.print_gpu_rl(report)
     assert f"{report['updated']} of {len(kept)} step(s) updated the weights" in capsys.readouterr().out
+
+
+def test_the_random_models_greedy_tokens_depend_on_the_context(tmp_path):
+    """bench.py gpu compares greedy tokens (sections 2 and 3b) on random_qwen3's model, so they
+    must depend on what attention reads, or a step that read the wrong keys would give the same
+    tokens. With its embedding scaled up, every greedy token was its input token (here and at
+    Qwen3-0.6B's shapes)."""
+    bench.random_qwen3(str(tmp_path), dry=True)
+    model = load_model(str(tmp_path)).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 512, (4, 8), generator=g)
+    # the same prompts but for their first token
+    others = torch.cat([(prompts[:, :1] + 1) % 512, prompts[:, 1:]], 1)
+    with torch.no_grad():
+        tokens, other_tokens = (model(ids)[:, -1].argmax(-1) for ids in (prompts, others))
+    assert not (tokens == prompts[:, -1]).all()
+    assert (tokens != other_tokens).any()

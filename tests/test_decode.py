@@ -201,9 +201,9 @@ class Capture(TorchDispatchMode):
 def test_graphed_steps_replay_the_eager_tokens(tmp_path, monkeypatch):
     """bench.py's GraphedSteps (CUDA graphs captured by hand, run only on a GPU) on a CPU
     stand-in for CUDA graphs (RecordedGraph): the same greedy tokens as eager steps, a graph per
-    shape (bucket of rows and pages) replayed at every step, no host sync or random draw in a capture,
-    and each graph warmed up on the stream that captures it (a lazy initialisation made once a
-    stream, as cuBLAS's workspace, must not happen in the capture)"""
+    shape (bucket of rows and pages) replayed at every step, no host sync or random draw in a
+    capture, and each graph warmed up on the stream that captures it (a lazy initialisation made
+    once a stream, as cuBLAS's workspace, must not happen in the capture)"""
     import bench
 
     class Stream:
