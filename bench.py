@@ -58,7 +58,8 @@ model.load_model (ours) and AutoModelForCausalLM.from_pretrained (transformers).
     1, 32 and 64, ours against `generate` on identical work and against the card's HBM roofline (weights + KV
     read once per step); (4) where flash-attn decodes through a page table, the same engine reading its pages
     through SDPA; (3b) the engine's decode steps eager against static-shape steps captured as CUDA graphs
-    (GraphedSteps, issue 45), ms per step, the same tokens; peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
+    (GraphedSteps, issue 45), ms per step, the tokens against eager's (rows identical, mean common
+    prefix: bf16 rounds differently in a static step); peak GPU memory per section; (5) RL steps of configs/tiny_rl.py in bf16 through train_rl.py
     (needs out/tiny-sft and out/data from `bash run.sh`'s first two stages, or --model_path / --data_path).
 (u) the policy update of one tiny RL step, the way train_rl.py did it before issue 32 (pack, the output layer
     at every position) and now (pack_sorted, the output layer only at the loss mask): same loss and grad norm.
@@ -1207,6 +1208,12 @@ def gpu_logits(path, dev, lens=(100, 37, 64, 5)):
     return res
 
 
+def common_prefix(mine, theirs):
+    """how many tokens two completions share from the start"""
+    parted = (i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y)
+    return next(parted, min(len(mine), len(theirs)))
+
+
 def gpu_greedy(path, dev, dry, dtype, n_prompts, new):
     """2. the engine's greedy tokens against transformers' greedy decoding of each prompt alone: prompts
     identical in full, and the mean length of the common prefix (bf16 rounds differently on each side, so
@@ -1225,7 +1232,7 @@ def gpu_greedy(path, dev, dry, dtype, n_prompts, new):
             ref = theirs.generate(input_ids=torch.tensor([p], device=dev), max_new_tokens=new, min_new_tokens=new,
                                   do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         same += out == ref
-        prefix.append(next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), new))
+        prefix.append(common_prefix(out, ref))
     del theirs, ours, engine
     return dict(prompts=n_prompts, new_tokens=new, identical=same, mean_common_prefix=statistics.mean(prefix))
 
@@ -1334,7 +1341,9 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
-    batch, which captures its graphs, is timed apart; the tokens of both sides compared. On a GPU also "compile"
+    batch, which captures its graphs, is timed apart; the tokens of both sides compared (rows
+    identical, and the mean common prefix: the random model's bf16 tokens part where a static step
+    rounds otherwise, and at the first decode token where it reads a wrong input or key). On a GPU also "compile"
     (decode_mode "compile": the same steps through inductor, its first run, which compiles, apart) and
     "reduce-overhead": decode_mode "graphs", the engine's own CUDA graphs (the same steps compiled with
     torch.compile's mode="reduce-overhead", its graph trees, the KV pools marked as static addresses so the graphs
@@ -1387,7 +1396,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
         eager_tokens = run(new, "eager")  # warm-up
         # held: the GPU memory the caching allocator holds once a side's first run is done (MiB), so the growth
         # from one side to the next is what that side kept: a CUDA graph keeps its own memory pool, per shape
-        first_s, same, skips = {}, {}, {}
+        first_s, same, prefix, skips = {}, {}, {}, {}
         held = {"eager": held_mib()}
         # the sides that ran: one that fails on this device is reported, and the others still timed
         sides = ["eager"]
@@ -1403,6 +1412,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             sides.append(side)
             first_s[side] = time.perf_counter() - t0
             same[side] = sum(a == b for a, b in zip(eager_tokens, tokens))
+            # bf16 rounds differently in a static step (padded rows, whole pages): a random model's
+            # greedy tokens part after a while; a step that reads wrong inputs or keys parts at its
+            # first token
+            prefix[side] = statistics.mean(map(common_prefix, eager_tokens, tokens))
             skips[side] = counters["inductor"]["cudagraph_skips"] - skipped
             held[side] = held_mib()
         times, rounds = medians([functools.partial(run, n, side) for side in sides for n in (new, 1)], 1)
@@ -1414,6 +1427,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
             rows.append(dict(batch=B, side=side, ms_per_step=1e3 * decode_s / (new - 1), decode_tok_s=tok_s,
                              roofline_pct=100 * tok_s / roofline if roofline else None, rounds=rounds,
                              first_run_s=first_s.get(side), same_tokens=same.get(side, B), rows=B,
+                             common_prefix=prefix.get(side, new),
                              cudagraph_skips=skips.get(side, 0), mib_held=held.get(side)))
         # each batch's lines as soon as it is measured: a run stopped by the device's time limit keeps them
         print_gpu_graphs([r for r in rows if r["batch"] == B], title=B == batches[0])
@@ -1427,7 +1441,7 @@ def print_gpu_graphs(rows, title=True):
         print("3b. decode steps, eager vs static shapes (issue 45; CUDA graphs and inductor on a GPU, run eagerly on "
               "--cpu):")
         print(f"   {'batch':>5} {'side':<15} {'ms/step':>8} {'tok/s':>9} {'% roofline':>10} {'first run s':>11} "
-              "same tokens  graphs skipped  MiB held")
+              "same tokens  common prefix  graphs skipped  MiB held")
     for r in rows:
         if "error" in r:
             print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
@@ -1435,7 +1449,9 @@ def print_gpu_graphs(rows, title=True):
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
         print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
-              f"{first:>11} {str(r['same_tokens']) + '/' + str(r['rows']):<11}  {r.get('cudagraph_skips', 0):>14}  "
+              f"{first:>11} {str(r['same_tokens']) + '/' + str(r['rows']):<11}  "
+              f"{r['common_prefix']:>13.1f}  "
+              f"{r.get('cudagraph_skips', 0):>14}  "
               f"{'' if r.get('mib_held') is None else format(r['mib_held'], '8,.0f')}")
     for B in sorted({r["batch"] for r in rows}):
         eager, *others = [r for r in rows if r["batch"] == B and "error" not in r]

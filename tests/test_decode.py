@@ -149,6 +149,7 @@ def test_the_gpu_bench_graphs_section_dry_runs(tmp_path):
     rows = bench.gpu_graphs(str(tmp_path), "cpu", True, (1, 3), 8, 6, None, lambda: None)
     assert [(r["batch"], r["side"]) for r in rows] == [(1, "eager"), (1, "static"), (3, "eager"), (3, "static")]
     assert all(r["same_tokens"] == r["rows"] == r["batch"] for r in rows)
+    assert all(r["common_prefix"] == 6 for r in rows)  # every row's 6 tokens
     assert [r["first_run_s"] is not None for r in rows] == [False, True, False, True]
 
 
