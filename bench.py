@@ -1152,7 +1152,16 @@ def grading_off_the_loop(tok, reps, prompts=8, samples=16):
 # (gpu) one prepared command for the first GPU this project is lent
 
 # HBM bandwidth in TB/s by the card's name (the vendors' data sheets), for the decode roofline
-HBM_TBPS = {"H200": 4.8, "H100": 3.35, "H20": 4.0, "A100": 2.0, "MI300X": 5.3, "MI325X": 6.0, "MI250": 3.2}
+# (the longest name the card's contains: "H100" is the SXM card, "NVIDIA H100 80GB HBM3"; the
+# PCIe and NVL cards have other HBM)
+HBM_TBPS = {"H200": 4.8, "H100": 3.35, "H100 PCIe": 2.0, "H100 NVL": 3.9, "H20": 4.0, "A100": 2.0,
+            "MI300X": 5.3, "MI325X": 6.0, "MI250": 3.2}
+
+
+def hbm_of(card):
+    """the HBM TB/s of a card by its name (torch.cuda.get_device_name), None if not listed"""
+    names = sorted((name for name in HBM_TBPS if name in card), key=len)
+    return HBM_TBPS[names[-1]] if names else None
 
 
 class NoStops:
@@ -1502,7 +1511,7 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     name = "cpu (dry run)" if dry else torch.cuda.get_device_name()
-    hbm = hbm_tbps or next((v for k, v in sorted(HBM_TBPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+    hbm = hbm_tbps or hbm_of(name)
     report = dict(device=name, torch=torch.__version__, transformers=transformers.__version__, hbm_tbps=hbm,
                   flash_attn=flash_attn_with_kvcache is not None, load=load())
     print(f"(gpu) {name} | torch {torch.__version__} | transformers {transformers.__version__} | HBM "
