@@ -1346,7 +1346,8 @@ class GraphedSteps:
 # each compiled side adds its shapes' entries to one function's cache (model.Qwen.run): past dynamo's default of
 # 8, a step would run eagerly without a word and be timed as compiled; here it may hold more, and past that it fails
 @torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
-def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
+def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync, deadline=math.inf,
+               save=lambda rows: None):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
@@ -1357,7 +1358,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
     "reduce-overhead": decode_mode "graphs", the engine's own CUDA graphs (the same steps compiled with
     torch.compile's mode="reduce-overhead", its graph trees, the KV pools marked as static addresses so the graphs
     may write into them in place). Where it matches GraphedSteps, the engine has what GraphedSteps does without
-    its ~215 code tokens. --cpu: "static" (the same steps run eagerly: a CPU has no graphs)."""
+    its ~215 code tokens. --cpu: "static" (the same steps run eagerly: a CPU has no graphs).
+    A side not begun by deadline (time.perf_counter()) is skipped, a row saying so: a compile per
+    shape and batch may take minutes. save(rows) after each batch (the JSON report: a kill keeps
+    them)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
@@ -1411,6 +1415,10 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
         sides = ["eager"]
         for side in others:
             t0 = time.perf_counter()
+            if t0 > deadline:
+                late = "not begun: past the time budget (--budget_s)"
+                rows.append(dict(batch=B, side=side, skipped=late))
+                continue
             skipped = counters["inductor"]["cudagraph_skips"]
             try:
                 tokens = run(new, side)  # captures (or compiles) each bucket's step
@@ -1440,6 +1448,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync):
                              cudagraph_skips=skips.get(side, 0), mib_held=held.get(side)))
         # each batch's lines as soon as it is measured: a run stopped by the device's time limit keeps them
         print_gpu_graphs([r for r in rows if r["batch"] == B], title=B == batches[0])
+        save(rows)
         del engine
     del ours
     return rows
@@ -1455,6 +1464,9 @@ def print_gpu_graphs(rows, title=True):
         if "error" in r:
             print(f"   {r['batch']:>5} {r['side']:<15} FAILED: {r['error'][:200]}")
             continue
+        if "skipped" in r:
+            print(f"   {r['batch']:>5} {r['side']:<15} SKIPPED: {r['skipped']}")
+            continue
         pct = f"{r['roofline_pct']:.1f}" if r["roofline_pct"] is not None else "?"
         first = f"{r['first_run_s']:.2f}" if r["first_run_s"] is not None else ""
         print(f"   {r['batch']:>5} {r['side']:<15} {r['ms_per_step']:>8.2f} {r['decode_tok_s']:>9,.0f} {pct:>10} "
@@ -1463,9 +1475,11 @@ def print_gpu_graphs(rows, title=True):
               f"{r.get('cudagraph_skips', 0):>14}  "
               f"{'' if r.get('mib_held') is None else format(r['mib_held'], '8,.0f')}")
     for B in sorted({r["batch"] for r in rows}):
-        eager, *others = [r for r in rows if r["batch"] == B and "error" not in r]
-        print(f"   batch {B}: " + ", ".join(f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
-                                         for r in others) + " per step")
+        eager, *others = [r for r in rows if r["batch"] == B and "ms_per_step" in r]
+        if others:
+            ratios = (f"{r['side']} / eager x{eager['ms_per_step'] / r['ms_per_step']:.2f}"
+                      for r in others)
+            print(f"   batch {B}: " + ", ".join(ratios) + " per step")
 
 
 def gpu_rl_steps(model_path, data_path, steps, dry, isolation, decode_mode="eager"):
@@ -1485,8 +1499,9 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation, decode_mode="eage
             args += ["--prompts_per_step=2", "--samples_per_prompt=4", "--keep_per_prompt=2",
                      "--max_response_tokens=64", "--tool_workers=1"]
         t0 = time.perf_counter()
+        # 5 minutes at most: a lent GPU's command has 10, and a hung run must leave section 3b some
         p = subprocess.run(args, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                           timeout=600)
+                           timeout=300)
         wall = time.perf_counter() - t0
         if p.returncode != 0:
             return {"failed": f"train_rl.py failed (rc {p.returncode})", "tail": (p.stdout + p.stderr)[-3000:]}
@@ -1503,8 +1518,12 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation, decode_mode="eage
         return report
 
 
-def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts):
-    """Everything a first GPU should tell us, in one command, well under 10 minutes; --cpu dry-runs it."""
+def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts,
+              budget_s=480):
+    """Everything a first GPU should tell us, in one command, well under 10 minutes; --cpu dry-runs
+    it. Section 3b begins no side past budget_s seconds from the start (a compile takes minutes).
+    """
+    start = time.perf_counter()
     assert dry or torch.cuda.is_available(), "no GPU visible to torch: run `python bench.py gpu --cpu` for the dry run"
     dev = "cpu" if dry else "cuda"
     sync = (lambda: None) if dry else torch.cuda.synchronize
@@ -1541,8 +1560,11 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
         print(f"   ({key}: {time.perf_counter() - t0:.0f} s"
               + (f", peak GPU memory {report['peak_gib'][key]:.1f} GiB)" if not dry else ")"), flush=True)
         # the report so far, after every part: a run stopped by its time limit leaves what it measured
+        write(report)
+
+    def write(so_far):
         with open(out_path + ".part", "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(so_far, f, indent=1)
         os.replace(out_path + ".part", out_path)
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -1563,8 +1585,10 @@ def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_pat
         section("rl", gpu_rl_steps, print_gpu_rl, model_path, data_path, 1 if dry else rl_steps, dry, isolation)
         # the static steps last: the longest part (a compile or capture per side, shape and batch), so a run cut
         # short by a device's time limit has all the others
+        # its rows written after each batch too
         section("graphs", gpu_graphs, lambda rows: None, path, dev, dry, (1, 2, 4) if dry else (1, 32, 64),
-                16 if dry else 128, 8 if dry else 128, hbm, sync)
+                16 if dry else 128, 8 if dry else 128, hbm, sync, start + budget_s,
+                lambda rows: write({**report, "graphs": rows}))
         # 5b. the RL steps with the engine's CUDA graphs: only when asked for by name (its compiles take minutes)
         if "rl_graphs" in parts:
             section("rl_graphs", gpu_rl_steps, functools.partial(print_gpu_rl, label="5b. RL, graphs,"), model_path,
@@ -2120,6 +2144,8 @@ if __name__ == "__main__":
     ap.add_argument("--out", default="out/bench_gpu.json", help="gpu: where the JSON report goes")
     ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
                     "greedy_bf16, decode, graphs, rl; rl_graphs only when named); default all")
+    ap.add_argument("--budget_s", type=float, default=480,
+                    help="gpu: section 3b begins no side past this many seconds from the start")
     ap.add_argument("--trl_python", default="/work/trl-venv/bin/python",
                     help="trl: the python of a venv with trl (bench.trl_bench's docstring)")
     ap.add_argument("--trl_steps", type=int, default=2, help="trl: RL steps per process and side")
@@ -2131,7 +2157,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.sections == ["gpu"]:
         sys.exit(gpu_bench(args.cpu, args.hbm_tbps, args.model_path, args.data_path, args.rl_steps, args.isolation,
-                           args.out, set(filter(None, args.parts.split(",")))))
+                           args.out, set(filter(None, args.parts.split(","))), args.budget_s))
     if args.trl_worker:  # the TRL side of (trl), in TRL's venv
         sys.exit(trl_worker(args.trl_worker))
     if args.sections == ["trl"]:

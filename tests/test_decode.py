@@ -2,6 +2,7 @@
 greedy and sampled, through the whole engine (tool turns, preemption, rows joining and leaving), run eagerly at
 fixed shapes ("static") and through inductor ("compile"); the logits of padded buckets against forward_cached's."""
 import contextlib
+import math
 
 import pytest
 import torch
@@ -255,6 +256,20 @@ def test_graphed_steps_replay_the_eager_tokens(tmp_path, monkeypatch):
     # one side stream
     assert runs[0] is default and len(runs) == 5 and default not in runs[1:]
     assert runs[1] is runs[2] and runs[3] is runs[4]
+
+
+def test_the_gpu_bench_graphs_section_keeps_its_time_budget_and_saves_each_batch(tmp_path):
+    """section 3b past its deadline begins no side but eager, each skipped side a row that says so
+    (a compile a shape and batch can outlast a lent GPU's command), and hands its rows so far to
+    save after each batch (the JSON report), so a run killed in its last batch keeps the others"""
+    import bench
+    bench.random_qwen3(str(tmp_path), dry=True)
+    saved = []
+    rows = bench.gpu_graphs(str(tmp_path), "cpu", True, (1, 2), 8, 4, None, lambda: None,
+                            deadline=-math.inf, save=lambda rows: saved.append(list(rows)))
+    assert [(r["batch"], r["side"], "skipped" in r) for r in rows] == [
+        (1, "static", True), (1, "eager", False), (2, "static", True), (2, "eager", False)]
+    assert saved == [rows[:2], rows]
 
 
 def test_the_memory_bench_runs_at_14b_shapes():
