@@ -1347,7 +1347,7 @@ class GraphedSteps:
 # 8, a step would run eagerly without a word and be timed as compiled; here it may hold more, and past that it fails
 @torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
 def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync, deadline=math.inf,
-               save=lambda rows: None):
+               save=lambda rows: None, others=None):
     """3b. issue 45: the engine's decode steps eager (forward_cached) against static-shape steps captured as CUDA
     graphs (GraphedSteps as model.static_step: a graph per bucket of rows and pages, replayed), bf16, ms per
     decode step (a run of `new` tokens less a run of 1) and the share of the HBM roofline; the first run of each
@@ -1359,15 +1359,17 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync, deadline=mat
     torch.compile's mode="reduce-overhead", its graph trees, the KV pools marked as static addresses so the graphs
     may write into them in place). Where it matches GraphedSteps, the engine has what GraphedSteps does without
     its ~215 code tokens. --cpu: "static" (the same steps run eagerly: a CPU has no graphs).
-    A side not begun by deadline (time.perf_counter()) is skipped, a row saying so: a compile per
-    shape and batch may take minutes. save(rows) after each batch (the JSON report: a kill keeps
-    them)."""
+    A compiled side ("compile", "reduce-overhead") not begun by deadline (time.perf_counter()) is
+    skipped, a row saying so: a compile per shape and batch may take minutes, where a capture by
+    hand takes a second, so GraphedSteps is timed at every batch. save(rows) after each batch (the
+    JSON report: a kill keeps them). others: the sides besides eager (default: "static" on --cpu,
+    the three above on a GPU)."""
     ours = load_model(path, dev, torch.bfloat16).eval()
     c = ours.cfg
     weight_bytes = 2 * sum(p.numel() for p in ours.parameters())
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, bf16
     # the sides besides eager
-    others = ("static",) if dry else ("graphs", "compile", "reduce-overhead")
+    others = others or (("static",) if dry else ("graphs", "compile", "reduce-overhead"))
     # inductor leaves a step out of its CUDA graphs without a word (an input it cannot keep in place, a tensor on the
     # CPU, ...; its reason goes to a log that is off): "reduce-overhead" would be timed as graphs while it runs as
     # "compile". Where this torch has the switch, such a step raises, saying why (its side FAILED); either way each
@@ -1415,7 +1417,7 @@ def gpu_graphs(path, dev, dry, batches, prompt_len, new, hbm, sync, deadline=mat
         sides = ["eager"]
         for side in others:
             t0 = time.perf_counter()
-            if t0 > deadline:
+            if t0 > deadline and side in ("compile", "reduce-overhead"):
                 late = "not begun: past the time budget (--budget_s)"
                 rows.append(dict(batch=B, side=side, skipped=late))
                 continue
@@ -1521,7 +1523,8 @@ def gpu_rl_steps(model_path, data_path, steps, dry, isolation, decode_mode="eage
 def gpu_bench(dry, hbm_tbps, model_path, data_path, rl_steps, isolation, out_path, parts,
               budget_s=480):
     """Everything a first GPU should tell us, in one command, well under 10 minutes; --cpu dry-runs
-    it. Section 3b begins no side past budget_s seconds from the start (a compile takes minutes).
+    it. Section 3b begins no compiled side past budget_s seconds from the start (a compile takes
+    minutes).
     """
     start = time.perf_counter()
     assert dry or torch.cuda.is_available(), "no GPU visible to torch: run `python bench.py gpu --cpu` for the dry run"
@@ -2145,7 +2148,7 @@ if __name__ == "__main__":
     ap.add_argument("--parts", default="", help="gpu: only these parts, comma-separated (logits, greedy_fp32, "
                     "greedy_bf16, decode, graphs, rl; rl_graphs only when named); default all")
     ap.add_argument("--budget_s", type=float, default=480,
-                    help="gpu: section 3b begins no side past this many seconds from the start")
+                    help="gpu: seconds from the start past which 3b begins no compiled side")
     ap.add_argument("--trl_python", default="/work/trl-venv/bin/python",
                     help="trl: the python of a venv with trl (bench.trl_bench's docstring)")
     ap.add_argument("--trl_steps", type=int, default=2, help="trl: RL steps per process and side")

@@ -259,17 +259,20 @@ def test_graphed_steps_replay_the_eager_tokens(tmp_path, monkeypatch):
 
 
 def test_the_gpu_bench_graphs_section_keeps_its_time_budget_and_saves_each_batch(tmp_path):
-    """section 3b past its deadline begins no side but eager, each skipped side a row that says so
-    (a compile a shape and batch can outlast a lent GPU's command), and hands its rows so far to
-    save after each batch (the JSON report), so a run killed in its last batch keeps the others"""
+    """section 3b past its deadline begins no compiled side, each skipped a row that says so (a
+    compile a shape and batch can outlast a lent GPU's command), while the sides without a compile
+    still run, and it hands its rows so far to save after each batch (the JSON report), so a run
+    killed in its last batch keeps the others"""
     import bench
     bench.random_qwen3(str(tmp_path), dry=True)
     saved = []
     rows = bench.gpu_graphs(str(tmp_path), "cpu", True, (1, 2), 8, 4, None, lambda: None,
-                            deadline=-math.inf, save=lambda rows: saved.append(list(rows)))
+                            deadline=-math.inf, save=lambda rows: saved.append(list(rows)),
+                            others=("static", "compile"))
     assert [(r["batch"], r["side"], "skipped" in r) for r in rows] == [
-        (1, "static", True), (1, "eager", False), (2, "static", True), (2, "eager", False)]
-    assert saved == [rows[:2], rows]
+        (1, "compile", True), (1, "eager", False), (1, "static", False),
+        (2, "compile", True), (2, "eager", False), (2, "static", False)]
+    assert saved == [rows[:3], rows]
 
 
 def test_the_memory_bench_runs_at_14b_shapes():
